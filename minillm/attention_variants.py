@@ -17,6 +17,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .layers import apply_rope, rope_cos_sin
+
 ATTENTION_KINDS = ("mha", "mqa", "gqa", "mla")
 
 
@@ -68,13 +70,9 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 def _rope(x: Tensor, theta: float) -> Tensor:
-    """Rotate x [..., T, d] by its position 0..T-1 (rotate-half layout: pairs (i, i + d/2))."""
-    d, t = x.shape[-1], x.shape[-2]
-    inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
-    angles = torch.arange(t, dtype=torch.float64, device=x.device)[:, None] * inv_freq
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    """RoPE on x [..., T, d] at positions 0..T-1 (the model's rotate-half layout)."""
+    positions = torch.arange(x.shape[-2], device=x.device)
+    return apply_rope(x, *rope_cos_sin(positions, x.shape[-1], theta, x.dtype))
 
 
 def _heads(x: Tensor, n_heads: int) -> Tensor:
@@ -173,8 +171,8 @@ class MultiHeadLatentAttention(nn.Module):
             raise ValueError("d_model, n_heads, head_dim, d_latent and d_q_latent must be >= 1")
         if d_rope < 0 or d_rope % 2:
             raise ValueError(f"d_rope must be an even number >= 0, got {d_rope}")
-        self.n_heads, self.head_dim, self.d_latent, self.d_rope = n_heads, head_dim, d_latent, d_rope
-        self.rope_theta = rope_theta
+        self.n_heads, self.head_dim = n_heads, head_dim
+        self.d_latent, self.d_rope, self.rope_theta = d_latent, d_rope, rope_theta
         d_q_in = d_model if d_q_latent is None else d_q_latent
         self.w_dq = None if d_q_latent is None else nn.Linear(d_model, d_q_latent, bias=False)
         self.w_uq = nn.Linear(d_q_in, n_heads * head_dim, bias=False)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minillm.attention_variants import kv_cache_bytes_per_token
-from minillm.config import PRESETS, ModelConfig
+from .attention_variants import kv_cache_bytes_per_token
+from .config import PRESETS, ModelConfig
 
 
 @dataclass(frozen=True)

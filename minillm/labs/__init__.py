@@ -1,0 +1,1 @@
+"""Exercises with automatic checkers, one module per chapter."""

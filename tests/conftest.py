@@ -1,0 +1,48 @@
+"""Shared fixtures: the real model and its independent reference (HF transformers), loaded once."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def gguf_path():
+    from minillm.weights import find_smollm2_gguf
+
+    return find_smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def real():
+    """(model, tokenizer): SmolLM2-135M-Instruct in fp32 on the CPU."""
+    import minillm
+
+    return minillm.load_model("smollm2-135m", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(gguf_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path):
+    """HF transformers' own GGUF loader and Llama implementation, fp32, eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    import minillm
+
+    return minillm.load_model("tiny", device="cpu", dtype="float32")
