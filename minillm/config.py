@@ -62,7 +62,7 @@ class ModelConfig:
         emb = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + ffn + norms) + emb + self.d_model
 
-    def with_(self, **changes) -> "ModelConfig":
+    def with_(self, **changes) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 

@@ -66,7 +66,8 @@ def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams,
 
 
 @torch.inference_mode()
-def generate_no_cache(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+def generate_no_cache(model: Transformer, prompt_ids: list[int],
+                      params: SamplingParams) -> list[int]:
     """The same loop without a cache: every step recomputes attention over the whole prefix."""
     check_prompt(model, prompt_ids)
     n_new = min(params.max_tokens, model.cfg.max_seq_len - len(prompt_ids))

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jinja2
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 CONTROL = 3  # llama.cpp token_type of special (control) tokens
 
@@ -32,7 +33,7 @@ class Tokenizer:
         self._template = jinja2.Environment().from_string(self.chat_template)
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+    def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
         if meta.get("tokenizer.ggml.model") != "gpt2":
             raise NotImplementedError("only byte-level BPE ('gpt2') GGUF tokenizers are supported")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -50,7 +51,7 @@ class Tokenizer:
                    meta.get("tokenizer.chat_template"))
 
     @classmethod
-    def from_hf_folder(cls, folder, bos_token_id: int, eos_token_id: int) -> "Tokenizer":
+    def from_hf_folder(cls, folder, bos_token_id: int, eos_token_id: int) -> Tokenizer:
         backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
         return cls(backend, bos_token_id, eos_token_id)
 

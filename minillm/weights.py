@@ -62,7 +62,8 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     rotate the two halves of each head (``rotate_half``), so rows go back to half-split order.
     """
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    pairs = w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+    return pairs.transpose(1, 2).reshape(w.shape)
 
 
 def find_smollm2_gguf() -> Path:
@@ -169,7 +170,8 @@ def config_from_hf(folder: Path) -> ModelConfig:
         n_kv_heads=c.get("num_key_value_heads", n_heads),
         head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
         ffn_dim=c["intermediate_size"],
-        rope_theta=float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 1e4)),
+        rope_theta=float(c.get("rope_theta")
+                         or (c.get("rope_parameters") or {}).get("rope_theta", 1e4)),
         norm_eps=c.get("rms_norm_eps", 1e-6), max_seq_len=c.get("max_position_embeddings", 2048),
         tie_embeddings=c.get("tie_word_embeddings", False),
         qk_norm=c.get("model_type") == "qwen3",

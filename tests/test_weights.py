@@ -54,8 +54,9 @@ def test_unsupported_type_is_a_clear_error():
 
 def test_hf_checkpoint_folder_matches_transformers(tmp_path):
     """A tiny random Llama saved by transformers loads into minillm with equal logits."""
-    import minillm
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import minillm
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

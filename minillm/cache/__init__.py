@@ -1,5 +1,6 @@
 """KV caches: the contiguous one, and (in bounded.py) caches that keep a bounded number of tokens."""
 from .base import Cache
+from .bounded import H2OCache, SinkCache, SlidingWindowCache
 from .contiguous import KVCache
 
-__all__ = ["Cache", "KVCache"]
+__all__ = ["Cache", "H2OCache", "KVCache", "SinkCache", "SlidingWindowCache"]
