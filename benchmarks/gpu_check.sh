@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of the project, in one run of under 8 minutes on an H200.
+# Writes JSON (device, date, git commit) into benchmarks/results/ (and $OUT when set, for the
+# device tool). Needs torch, triton and transformers; the package runs from this checkout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+res=benchmarks/results
+mkdir -p "$res"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+status=0
+# 1. the model at real shapes: parity with HF transformers, prefill/decode against HF (bf16)
+timeout 200 python3 benchmarks/gpu_check.py --out "$res/gpu_model_check.json" || status=1
+# 2. chapter 05 kernels: correctness compiled, FlashAttention vs SDPA, paged decode bandwidth
+timeout 240 python3 benchmarks/kernels_bench.py --out "$res/kernels_gpu.json" || status=1
+if [ -n "${OUT:-}" ]; then cp "$res"/*.json "$OUT"/ 2>/dev/null || true; fi
+exit $status
