@@ -60,6 +60,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.backend = sdpa_attention  # see Transformer.set_attention_backend
         self.keep_probs = False  # set True to record attention maps (slow path)
         self.last_probs: torch.Tensor | None = None
 
@@ -75,9 +76,9 @@ class Attention(nn.Module):
         if self.keep_probs and cache is None:
             out, self.last_probs = reference_attention(q, k, v, return_probs=True)
         elif cache is None:
-            out = sdpa_attention(q, k, v)
+            out = self.backend(q, k, v)
         else:
-            out = cache.attend(self.layer_idx, q, k, v)
+            out = cache.attend(self.layer_idx, q, k, v, self.backend)
         return self.wo(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 

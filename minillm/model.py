@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .attention import get_backend
 from .config import ModelConfig
 from .layers import Block, RMSNorm, rope_cos_sin
 
@@ -18,6 +19,13 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+
+    def set_attention_backend(self, name: str) -> Transformer:
+        """Route every layer's attention through backend ``name`` ("sdpa", "reference", "triton")."""
+        fn = get_backend(name)
+        for layer in self.layers:
+            layer.attn.backend = fn
+        return self
 
     @property
     def device(self) -> torch.device:

@@ -3,8 +3,35 @@
 Shapes: q [B, H, T, hd], k and v [B, H_kv, L, hd] with H a multiple of H_kv (GQA), where the T
 queries are the *last* T of the L positions (a KV cache holds the L - T before them). Query i
 may see key j when j <= L - T + i. Output [B, H, T, hd].
+
+Backends: "sdpa" (PyTorch's fused kernel, the default), "reference" (the maths written out),
+"triton" (our FlashAttention kernel, chapter 05; compiled on a GPU, interpreted on a CPU).
 """
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
 from .reference import causal_mask, reference_attention
 from .sdpa import sdpa_attention
 
-__all__ = ["causal_mask", "reference_attention", "sdpa_attention"]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+BACKENDS = ("sdpa", "reference", "triton")
+
+
+def get_backend(name: str) -> AttentionFn:
+    """The attention function called ``name`` (one of :data:`BACKENDS`)."""
+    if name == "sdpa":
+        return sdpa_attention
+    if name == "reference":
+        return reference_attention
+    if name == "triton":
+        from .triton import triton_attention  # imports Triton only when asked for
+
+        return triton_attention
+    raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
+
+
+__all__ = ["BACKENDS", "AttentionFn", "causal_mask", "get_backend", "reference_attention",
+           "sdpa_attention"]
