@@ -13,5 +13,7 @@ status=0
 timeout 200 python3 benchmarks/gpu_check.py --out "$res/gpu_model_check.json" || status=1
 # 2. chapter 05 kernels: correctness compiled, FlashAttention vs SDPA, paged decode bandwidth
 timeout 240 python3 benchmarks/kernels_bench.py --out "$res/kernels_gpu.json" || status=1
+# 3. appendix A2: copy bandwidth by size, matmul rates per dtype, divergence, occupancy
+timeout 150 python3 benchmarks/a2_gpu_check.py --out "$res/a2_gpu.json" || status=1
 if [ -n "${OUT:-}" ]; then cp "$res"/*.json "$OUT"/ 2>/dev/null || true; fi
 exit $status

@@ -1,0 +1,104 @@
+"""Appendix B checkers: reference solutions pass, wrong ones fail, untouched stubs are "TODO"."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from minillm.labs import a2
+
+# --- reference solutions (written from the rules, not from minillm.roofline) ----------------
+
+
+def blocks_per_sm(threads, regs, smem):
+    warps = math.ceil(threads / 32)
+    regs_per_warp = math.ceil(regs * 32 / 256) * 256
+    smem_per_block = math.ceil((smem + 1024) / 128) * 128
+    limits = [64 // warps, 32, 228 * 1024 // smem_per_block]
+    if regs_per_warp:
+        limits.append(65536 // (regs_per_warp * warps))
+    return min(limits)
+
+
+def matmul_intensity(m, n, k, bytes_per_elem):
+    return 2 * m * n * k / ((m * k + k * n + m * n) * bytes_per_elem)
+
+
+def compute_bound_size(bandwidth, peak_flops, bytes_per_elem):
+    # 2n^3 / (3 n^2 b) >= peak / bw  <=>  n >= 1.5 b peak / bw
+    return math.ceil(1.5 * bytes_per_elem * peak_flops / bandwidth - 1e-9)
+
+
+# --- wrong solutions -----------------------------------------------------------------------
+
+
+def blocks_ignoring_granularity(threads, regs, smem):
+    warps = math.ceil(threads / 32)
+    limits = [64 // warps, 32, 228 * 1024 // (smem + 1024)]
+    if regs:
+        limits.append(65536 // (regs * 32 * warps))  # no rounding to 256 per warp
+    return min(limits)
+
+
+def blocks_without_reserved_smem(threads, regs, smem):
+    warps = math.ceil(threads / 32)
+    regs_per_warp = math.ceil(regs * 32 / 256) * 256
+    limits = [64 // warps, 32]
+    if smem:
+        limits.append(228 * 1024 // (math.ceil(smem / 128) * 128))
+    if regs_per_warp:
+        limits.append(65536 // (regs_per_warp * warps))
+    return min(limits)
+
+
+def intensity_without_output(m, n, k, bytes_per_elem):
+    return 2 * m * n * k / ((m * k + k * n) * bytes_per_elem)  # forgot writing C
+
+
+def intensity_one_flop_per_mac(m, n, k, bytes_per_elem):
+    return m * n * k / ((m * k + k * n + m * n) * bytes_per_elem)
+
+
+def size_from_ridge_alone(bandwidth, peak_flops, bytes_per_elem):
+    return math.ceil(peak_flops / bandwidth)  # n = ridge, forgetting 2n/(3b)
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError
+
+
+CHECKS = [
+    (a2.check_blocks_per_sm, blocks_per_sm, blocks_ignoring_granularity),
+    (a2.check_blocks_per_sm, blocks_per_sm, blocks_without_reserved_smem),
+    (a2.check_matmul_intensity, matmul_intensity, intensity_without_output),
+    (a2.check_matmul_intensity, matmul_intensity, intensity_one_flop_per_mac),
+    (a2.check_compute_bound_size, compute_bound_size, size_from_ridge_alone),
+]
+IDS = ["blocks_granularity", "blocks_reserved_smem", "intensity_no_output",
+       "intensity_one_flop", "size_ridge_alone"]
+
+
+@pytest.mark.parametrize("checker,right,wrong", CHECKS, ids=IDS)
+def test_reference_passes(checker, right, wrong):
+    result = checker(right)
+    assert result.passed is True, result.message
+
+
+@pytest.mark.parametrize("checker,right,wrong", CHECKS, ids=IDS)
+def test_wrong_fails(checker, right, wrong):
+    result = checker(wrong)
+    assert result.passed is False
+    assert result.message
+
+
+@pytest.mark.parametrize("checker", sorted({c for c, _, _ in CHECKS}, key=lambda c: c.__name__))
+def test_stub_is_not_attempted(checker):
+    assert checker(stub).passed is None
+
+
+def test_package_functions_pass_their_checkers():
+    from minillm import roofline
+
+    assert a2.check_matmul_intensity(roofline.matmul_intensity).passed is True
+    assert a2.check_blocks_per_sm(
+        lambda t, r, s: roofline.occupancy(t, r, s)["blocks_per_sm"]).passed is True
