@@ -1,4 +1,4 @@
-"""KV caches: the contiguous one, and (in bounded.py) caches that keep a bounded number of tokens."""
+"""KV caches: the contiguous one, and (in bounded.py) bounded ones: window, sinks, H2O."""
 from .base import Cache
 from .bounded import H2OCache, SinkCache, SlidingWindowCache
 from .contiguous import KVCache
