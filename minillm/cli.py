@@ -1,0 +1,238 @@
+"""The command line: ``python -m minillm generate|chat|bench ...`` (also installed as ``minillm``).
+
+Each subcommand is a pair of functions: ``add_<name>(subparsers)`` declares its arguments and
+sets ``func`` to ``cmd_<name>(args) -> exit code``. :data:`COMMANDS` and
+:data:`BENCH_COMMANDS` list them; a new subcommand (``serve``, ``bench throughput``) is one more
+entry there. A ``ValueError`` raised anywhere below (bad sampling parameters, an unknown model
+name) becomes a one-line ``error: ...`` on stderr and exit code 2, like argparse's own errors.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterable, Iterator
+
+from .config import SamplingParams
+
+AddParser = Callable[["argparse._SubParsersAction"], None]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --device, --dtype: where the weights come from and where they run."""
+    p.add_argument("--model", default="smollm2-135m",
+                   help="preset name, .gguf file or HF checkpoint folder (default: %(default)s)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--dtype", default=None,
+                   help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on GPU)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """--max-tokens, --temperature, --top-p, --top-k, --seed (vLLM's SamplingParams)."""
+    p.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help="most new tokens per reply (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help="0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: off)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="feed the raw text instead of wrapping it in the chat template")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from the parsed flags (raises ValueError naming a bad one)."""
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, seed=args.seed)
+
+
+def load(args: argparse.Namespace):
+    """(model, tokenizer) for --model/--device/--dtype; a model without a tokenizer is an error."""
+    from .loader import load_model
+
+    model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
+    if tok is None:
+        raise ValueError(f"--model {args.model!r} has no tokenizer, so it cannot read text")
+    return model, tok
+
+
+def stream_text(tok, token_ids: Iterable[int]) -> Iterator[str]:
+    """Turn a stream of token ids into a stream of text pieces.
+
+    The whole list is decoded each time and only the new suffix is yielded; a suffix that ends
+    in U+FFFD (a multi-byte character cut between tokens) waits for the next token. EOS and
+    other special tokens are not shown.
+    """
+    ids: list[int] = []
+    shown = 0
+    for i in token_ids:
+        if i == tok.eos_token_id:
+            break
+        ids.append(i)
+        text = tok.decode(ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            continue
+        if len(text) > shown:
+            yield text[shown:]
+            shown = len(text)
+    text = tok.decode(ids, skip_special_tokens=True)
+    if len(text) > shown:
+        yield text[shown:]
+
+
+def prompt_ids(tok, messages: list[dict], raw: bool) -> list[int]:
+    """Token ids of the conversation: chat template, or (``raw``) the contents one per line."""
+    if raw:
+        return tok.encode("\n".join(m["content"] for m in messages))
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def reply(model, tok, ids: list[int], params: SamplingParams, out=None) -> str:
+    """Generate after ``ids``, printing text as it comes; return the whole reply."""
+    from .generate import stream
+
+    out = out or sys.stdout
+    pieces = []
+    for piece in stream_text(tok, stream(model, ids, params)):
+        out.write(piece)
+        out.flush()
+        pieces.append(piece)
+    out.write("\n")
+    out.flush()
+    return "".join(pieces)
+
+
+# ----------------------------------------------------------------------------- generate
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="complete one prompt, streaming tokens to stdout")
+    p.add_argument("--prompt", required=True, help="the user message (or raw text)")
+    add_sampling_args(p, max_tokens=128)
+    add_model_args(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # check the flags before the (slow) model load
+    model, tok = load(args)
+    messages = [{"role": "user", "content": args.prompt}]
+    reply(model, tok, prompt_ids(tok, messages, args.no_chat_template), params)
+    return 0
+
+
+# ----------------------------------------------------------------------------- chat
+
+def add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="interactive chat that keeps the conversation history")
+    p.add_argument("--system", default=None, help="an optional system message")
+    add_sampling_args(p, max_tokens=256)
+    add_model_args(p)
+    p.set_defaults(func=cmd_chat)
+
+
+def fit_history(tok, messages: list[dict], budget: int) -> list[dict]:
+    """Drop the oldest exchanges (keeping a system message) until the prompt fits ``budget``."""
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    turns = messages[len(system):]
+    while len(turns) > 1 and len(prompt_ids(tok, system + turns, raw=False)) > budget:
+        turns = turns[2:] if len(turns) > 2 else turns[1:]
+    return system + turns
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    model, tok = load(args)
+    interactive = sys.stdin.isatty()
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    budget = model.cfg.max_seq_len - params.max_tokens
+    if interactive:
+        print("minillm chat: type a message, 'exit' or Ctrl-D to quit.")
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("exit", "quit"):
+            return 0
+        if not line.strip():
+            continue
+        messages = fit_history(tok, messages + [{"role": "user", "content": line.strip()}],
+                               budget)
+        answer = reply(model, tok, prompt_ids(tok, messages, args.no_chat_template), params)
+        messages.append({"role": "assistant", "content": answer})
+
+
+# ----------------------------------------------------------------------------- bench
+
+def add_bench_decode(sub) -> None:
+    p = sub.add_parser("decode", help="prefill and batch-1 decode tokens/s vs HF and llama.cpp")
+    p.add_argument("--model", default="smollm2-135m", help="model or preset (default: %(default)s)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                   help="dtypes of minillm and HF (default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated (default: 64)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs; median (default: 3)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch and llama.cpp threads (default: the available cores)")
+    p.add_argument("--peers", nargs="+", default=["hf", "llama.cpp"],
+                   help="engines to compare with: hf, llama.cpp, or none")
+    p.add_argument("--out", default="benchmarks/results/decode.json", help="JSON path")
+    p.add_argument("--figure", default="figures/bench_decode.png",
+                   help="PNG path ('none' to skip the plot)")
+    p.set_defaults(func=cmd_bench_decode)
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from . import bench
+
+    peers = [] if args.peers == ["none"] else args.peers
+    report = bench.run_decode_bench(args.model, dtypes=args.dtypes, prompt_len=args.prompt_len,
+                                    new_tokens=args.new_tokens, repeats=args.repeats,
+                                    device=args.device, threads=args.threads, peers=peers,
+                                    log=lambda msg: print(msg, file=sys.stderr))
+    print(bench.format_table(report))
+    print(f"wrote {bench.write_json(report, args.out)}")
+    if args.figure != "none":
+        print(f"wrote {bench.save_figure(bench.plot_decode(report), args.figure)}")
+    return 0
+
+
+#: ``bench`` subcommands; ``bench throughput`` goes here.
+BENCH_COMMANDS: dict[str, AddParser] = {"decode": add_bench_decode}
+
+
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks that compare minillm with its peers")
+    inner = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    for add in BENCH_COMMANDS.values():
+        add(inner)
+
+
+#: Top-level subcommands; ``serve`` goes here.
+COMMANDS: dict[str, AddParser] = {"generate": add_generate, "chat": add_chat, "bench": add_bench}
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minillm", description="minillm: a small LLM engine.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS.values():
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, run the subcommand, return its exit code (2 for bad input)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"minillm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"minillm {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
