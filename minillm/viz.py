@@ -136,15 +136,18 @@ def plot_kv_bytes(groups: dict, unit: int = 1024, unit_name: str = "KiB") -> plt
     return fig
 
 
-def plot_kv_compression(points: dict, ppl: dict, reference: str) -> plt.Figure:
-    """Cache size against damage. points {method: (numbers cached per token and layer, mean
-    relative error of the layer's attention output)}; ppl {method: perplexity}, where
-    ``reference`` names the unmodified model."""
+def plot_kv_compression(curves: dict, ppl: dict, reference: str) -> plt.Figure:
+    """Cache size against damage. curves {method: (numbers cached per token and layer, mean
+    relative error of the layer's attention output)}, each a number or a list of them;
+    ppl {method: perplexity}, where ``reference`` names the unmodified model."""
+    import numpy as np
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
-    for i, (name, (x, err)) in enumerate(points.items()):
-        left.plot([x], [err], "o", color=f"C{i}", label=name)
+    for i, (name, (x, err)) in enumerate(curves.items()):
+        left.plot(np.atleast_1d(x), np.atleast_1d(err), "o-", color=f"C{i}", label=name)
     left.set_xlabel("numbers cached per token per layer")
     left.set_ylabel("relative error of attention output")
+    left.set_ylim(bottom=0)
     left.legend(fontsize=7)
     names = list(ppl)
     right.barh(names, list(ppl.values()), color=["gray" if n == reference else "C0"
