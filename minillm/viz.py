@@ -4,17 +4,25 @@ Figures go into ``figures/`` at the repository root (PNG, modest dpi, so noteboo
 """
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+
+from .device import fast_mode
 
 FIGURES = Path(__file__).resolve().parent.parent / "figures"
 
 
 def save(fig: plt.Figure, name: str, dpi: int = 90) -> Path:
-    """Write ``fig`` to figures/<name>.png and return the path."""
-    FIGURES.mkdir(exist_ok=True)
-    path = FIGURES / f"{name}.png"
+    """Write ``fig`` to figures/<name>.png and return the path.
+
+    With MINILLM_FAST=1 (CI's small sizes) the PNG goes to a temporary folder instead, so a
+    test run never overwrites the committed full-size figures.
+    """
+    folder = Path(tempfile.gettempdir()) / "minillm-figures" if fast_mode() else FIGURES
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.png"
     fig.savefig(path, dpi=dpi, bbox_inches="tight")
     return path
 
