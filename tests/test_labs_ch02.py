@@ -1,0 +1,137 @@
+"""Chapter 02 checkers: reference solutions pass, wrong ones fail, untouched stubs are "TODO"."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.cache import Cache
+from minillm.kv_memory import MLASpec
+from minillm.labs import ch02
+
+# --- reference solutions -------------------------------------------------------------------
+
+
+def kv_bytes(cfg, tokens, batch=1, bytes_per_elem=2):
+    if isinstance(cfg, MLASpec):  # one latent plus one shared RoPE key per token and layer
+        per_token = cfg.n_layers * (cfg.kv_lora_rank + cfg.rope_dim)
+    else:
+        per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+    return per_token * tokens * batch * bytes_per_elem
+
+
+def score_entries(n):
+    return n * (n + 1) // 2, n * (n + 1) * (n + 2) // 6
+
+
+class GrowingCache(Cache):
+    """Concatenates new K/V onto the old ones (slower than preallocating, but correct)."""
+
+    def __init__(self, cfg, batch_size, max_len, device="cpu", dtype=torch.float32):
+        self.k = [None] * cfg.n_layers
+        self.v = [None] * cfg.n_layers
+        self.seen = 0
+
+    def update(self, layer, k, v):
+        if self.k[layer] is not None:
+            k = torch.cat([self.k[layer], k], dim=2)
+            v = torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+    def __len__(self):
+        return self.seen
+
+
+def kept_positions(n_seen, window, n_sink=0):
+    recent = range(max(n_sink, n_seen - (window - n_sink)), n_seen)
+    return sorted(set(range(min(n_sink, n_seen))) | set(recent))
+
+
+# --- wrong solutions -----------------------------------------------------------------------
+
+
+def kv_bytes_mla_as_mha(cfg, tokens, batch=1, bytes_per_elem=2):
+    heads = cfg.n_heads if isinstance(cfg, MLASpec) else cfg.n_kv_heads  # MLA counted as MHA
+    return 2 * cfg.n_layers * heads * cfg.head_dim * tokens * batch * bytes_per_elem
+
+
+def kv_bytes_no_v(cfg, tokens, batch=1, bytes_per_elem=2):
+    return kv_bytes(cfg, tokens, batch, bytes_per_elem) // 2  # forgot V (and halved MLA)
+
+
+def score_entries_square(n):
+    return n * (n + 1) // 2, sum(t * t for t in range(1, n + 1))  # full square, not causal
+
+
+class ForgetfulCache(GrowingCache):
+    """Returns only the new tokens: every query attends to its own chunk alone."""
+
+    def update(self, layer, k, v):
+        super().update(layer, k, v)
+        return k, v
+
+
+class NewestFirstCache(GrowingCache):
+    """Puts new tokens in front: the right set of keys, in the wrong order."""
+
+    def update(self, layer, k, v):
+        if self.k[layer] is not None:
+            k = torch.cat([k, self.k[layer]], dim=2)
+            v = torch.cat([v, self.v[layer]], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+
+def kept_without_sinks(n_seen, window, n_sink=0):
+    return list(range(max(0, n_seen - window), n_seen))  # ignores the sinks
+
+
+def kept_off_by_one(n_seen, window, n_sink=0):
+    recent = range(max(n_sink, n_seen - (window - n_sink) + 1), n_seen)
+    return sorted(set(range(min(n_sink, n_seen))) | set(recent))
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError
+
+
+class StubCache(Cache):
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError
+
+
+CHECKS = [
+    (ch02.check_kv_bytes, kv_bytes, kv_bytes_no_v, stub),
+    (ch02.check_kv_bytes, kv_bytes, kv_bytes_mla_as_mha, stub),
+    (ch02.check_score_entries, score_entries, score_entries_square, stub),
+    (ch02.check_cache_append, GrowingCache, ForgetfulCache, StubCache),
+    (ch02.check_cache_append, GrowingCache, NewestFirstCache, StubCache),
+    (ch02.check_sliding_window, kept_positions, kept_without_sinks, stub),
+    (ch02.check_sliding_window, kept_positions, kept_off_by_one, stub),
+]
+IDS = ["kv_bytes", "kv_bytes_mla", "score_entries", "cache_forgetful", "cache_order",
+       "window_sinks", "window_off_by_one"]
+
+
+@pytest.mark.parametrize("checker,right,wrong,todo", CHECKS, ids=IDS)
+def test_reference_passes(checker, right, wrong, todo):
+    result = checker(right)
+    assert result.passed is True, result.message
+
+
+@pytest.mark.parametrize("checker,right,wrong,todo", CHECKS, ids=IDS)
+def test_wrong_fails(checker, right, wrong, todo):
+    result = checker(wrong)
+    assert result.passed is False
+    assert result.message
+
+
+@pytest.mark.parametrize("checker,right,wrong,todo", CHECKS, ids=IDS)
+def test_stub_is_not_attempted(checker, right, wrong, todo):
+    assert checker(todo).passed is None
+
+
+def test_package_kvcache_passes_its_own_checker():
+    from minillm.cache import KVCache
+
+    assert ch02.check_cache_append(KVCache).passed is True
