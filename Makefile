@@ -24,7 +24,7 @@ lab: setup
 
 # Every unit, parity and notebook test; MINILLM_FAST=1 shrinks notebook sizes for 2 CPU cores.
 test: setup
-	MINILLM_FAST=1 $(BIN)/python -m pytest tests --nbmake chapters -q
+	MINILLM_FAST=1 $(BIN)/python -m pytest tests --nbmake --nbmake-timeout=1200 chapters -q
 
 test-fast: setup
 	$(BIN)/python -m pytest tests -q -m "not slow"
