@@ -57,8 +57,6 @@ def decode(name: str, device: torch.device, prompt_len: int, new_tokens: int,
                      "prefill_tok_s": pre, "decode_tok_s": dec})
         print(f"{name:14s} {engine:8s} prefill {pre:10.0f} tok/s   decode {dec:7.1f} tok/s",
               flush=True)
-    del model, hf
-    torch.cuda.empty_cache()
     return rows
 
 

@@ -21,7 +21,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def set_attention_backend(self, name: str) -> Transformer:
-        """Route every layer's attention through backend ``name`` ("sdpa", "reference", "triton")."""
+        """Route every layer's attention through backend ``name`` (sdpa, reference, triton)."""
         fn = get_backend(name)
         for layer in self.layers:
             layer.attn.backend = fn
