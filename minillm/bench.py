@@ -9,8 +9,8 @@ Same machine, same thread count, same prompt, same dtype. For each engine and dt
   ``(new_tokens - 1) / (generate time - prefill time)``.
 
 Each engine is warmed up once, then the median of ``repeats`` rounds is taken; within a dtype
-the engines take turns in every round, so a busy spell on a shared machine slows all of them
-alike. Engines:
+the engines take turns in every round (llama.cpp joins the first dtype's rounds), so a busy
+spell on a shared machine slows all of them alike. Engines:
 ``minillm`` (:func:`minillm.generate.generate`), ``hf`` (``model.generate`` with
 ``do_sample=False`` and ``min_new_tokens = max_new_tokens``; the real model is read from the same
 GGUF file, a preset gets our random weights through :func:`minillm.hf_interop.to_hf_model`), and
@@ -344,7 +344,7 @@ def run_decode_bench(model_name: str = REAL_MODEL, dtypes: Sequence[str] = ("flo
     results: list[EngineResult] = []
     hf32 = None
     prompt: list[int] = []
-    for dt in dts:
+    for i, dt in enumerate(dts):
         model, tok = load_model(model_name, device=dev, dtype=dt)
         if not prompt:
             prompt = bench_prompt(tok, model.cfg.vocab_size, prompt_len)
@@ -358,18 +358,17 @@ def run_decode_bench(model_name: str = REAL_MODEL, dtypes: Sequence[str] = ("flo
                 hf32 = load_hf_peer(model_name, dev)
             hf = hf32 if dt == torch.float32 else copy.deepcopy(hf32).to(dt)
             runners.append(hf_runner(hf, prompt, new_tokens, model.cfg.eos_token_id))
+        if i == 0 and "llama.cpp" in peers:  # its own dtype; timed in the first dtype's rounds
+            if is_gguf and llama_cpp_available():
+                gguf = find_smollm2_gguf() if model_name == REAL_MODEL else Path(model_name)
+                runners.append(llama_cpp_runner(gguf, prompt, new_tokens, threads))
+            else:
+                say("llama.cpp skipped: " + ("llama_cpp is not installed" if is_gguf
+                                             else "the model is not a GGUF file"))
         say(" and ".join(r.engine for r in runners) + f" at {dtype_name(dt)} ...")
         results += measure(runners, prompt_len, new_tokens, repeats, dev)
         del model, runners
-    if "llama.cpp" in peers and is_gguf and llama_cpp_available():
-        say("llama.cpp at Q4_1 ...")
-        gguf = find_smollm2_gguf() if model_name == REAL_MODEL else Path(model_name)
-        runner = llama_cpp_runner(gguf, prompt, new_tokens, threads)
-        [res] = measure([runner], prompt_len, new_tokens, repeats, torch.device("cpu"))
-        results.append(res)
-    elif "llama.cpp" in peers:
-        say("llama.cpp skipped: " + ("llama_cpp is not installed" if is_gguf
-                                     else "the model is not a GGUF file"))
+    results.sort(key=lambda r: r.engine == "llama.cpp")  # the quantised peer last
 
     return {"benchmark": "decode", "model": str(model_name), "prompt_len": prompt_len,
             "new_tokens": new_tokens, "repeats": repeats, **machine_info(dev, threads),
@@ -419,25 +418,26 @@ def plot_decode(report: dict):
     rows = report["results"]
     dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
     engines = list(dict.fromkeys(r["engine"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    colours = {e: f"C{i}" for i, e in enumerate(engines)}
     width = 0.8 / max(len(engines), 1)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, title in zip(axes, ("prefill_tok_s", "decode_tok_s"),
                               (f"prefill ({report['prompt_len']}-token prompt)",
                                f"decode (batch 1, {report['new_tokens']} tokens)")):
-        for i, engine in enumerate(engines):
-            xs, ys = [], []
-            for j, dt in enumerate(dtypes):
-                hit = [r for r in rows if r["engine"] == engine and r["dtype"] == dt]
-                if hit:
-                    xs.append(j + (i - (len(engines) - 1) / 2) * width)
-                    ys.append(hit[0][key])
-            bars = ax.bar(xs, ys, width, label=engine)
-            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        for j, dt in enumerate(dtypes):
+            group = [r for r in rows if r["dtype"] == dt]  # bars centred on their dtype
+            for k, r in enumerate(group):
+                x = j + (k - (len(group) - 1) / 2) * width
+                bars = ax.bar([x], [r[key]], width, color=colours[r["engine"]],
+                              label=r["engine"])
+                ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set_xticks(range(len(dtypes)), dtypes)
         ax.set_ylabel("tokens / s")
         ax.set_title(title)
-    axes[0].legend()
-    fig.suptitle(f"{report['model']} on {report['device']} ({report['threads']} threads)",
+    handles, labels = axes[0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    axes[0].legend(unique.values(), unique.keys())
+    fig.suptitle(f"{report['model']} on {report['device']} (torch threads={report['threads']})",
                  fontsize=10)
     fig.tight_layout()
     return fig
