@@ -106,7 +106,11 @@ def get_preset(name: str) -> ModelConfig:
 class SamplingParams:
     """How to pick the next token (vLLM's names).
 
-    temperature 0 is greedy; top_k 0 (or -1) and top_p 1 switch those filters off.
+    temperature 0 is greedy; top_k 0 (or -1) and top_p 1 switch those filters off. ``n`` asks
+    for n independent samples of one prompt (they share the prompt's KV blocks); ``beam_width``
+    > 1 switches to beam search (deterministic, ignores temperature/top_p/top_k) and returns the
+    ``n`` best beams, so n <= beam_width. ``length_penalty`` divides a finished beam's summed
+    log-probability by length ** length_penalty when beams are ranked (HF's convention).
     """
 
     temperature: float = 1.0
@@ -116,6 +120,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    beam_width: int = 1
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -126,9 +133,20 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (off) or >= 1, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
+        if self.beam_width > 1 and self.n > self.beam_width:
+            raise ValueError(f"n must be <= beam_width={self.beam_width} with beam search, "
+                             f"got {self.n}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width > 1
