@@ -1,0 +1,225 @@
+"""Which physical KV block holds which tokens (PagedAttention, Kwon et al. 2023). Pure Python.
+
+The device pool (:mod:`minillm.cache.paged`) is an array of ``num_blocks`` blocks of
+``block_size`` token slots. The block manager only does the bookkeeping:
+
+- a *block table* per sequence: logical block i (positions i*block_size ...) -> physical block id;
+- *reference counts*: a block shared by several tables (a forked prompt for parallel sampling or
+  beam search) is freed when its last reader lets go;
+- *copy-on-write*: before a sequence writes into a shared block, it gets its own copy; the copy
+  (src, dst) is returned for the model runner to perform on the device;
+- *swap*: a sequence's blocks can move to a second, CPU-side pool and back;
+- a *watermark* of blocks kept free when admitting new sequences, so that running sequences can
+  still grow for a while without preemption (vLLM keeps 1% by default).
+
+Invariants (``check``): a block's reference count equals the number of tables holding it; a block
+is on the free list exactly when its count is 0; every table holds at least
+``ceil(filled / block_size)`` blocks, where ``filled`` counts the sequence's token slots.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an allocation needs more blocks than are free (callers check first)."""
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
+
+@dataclass
+class BlockPool:
+    """Free list and reference counts of one pool of ``num_blocks`` blocks."""
+
+    num_blocks: int
+    ref: list[int] = field(init=False)
+    free: deque[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ref = [0] * self.num_blocks
+        self.free = deque(range(self.num_blocks))
+
+    def take(self) -> int:
+        if not self.free:
+            raise NoFreeBlocksError(f"all {self.num_blocks} blocks are in use")
+        block = self.free.popleft()
+        self.ref[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        self.ref[block] += 1
+
+    def release(self, block: int) -> None:
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            self.free.append(block)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+
+class BlockManager:
+    """Block tables for sequences (keyed by integer id) over a device pool and a CPU swap pool."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
+                 watermark: float = 0.01) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.device = BlockPool(num_blocks)
+        self.cpu = BlockPool(num_cpu_blocks)
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.tables: dict[int, list[int]] = {}      # seq id -> device block ids
+        self.cpu_tables: dict[int, list[int]] = {}  # seq id -> CPU block ids (swapped out)
+        self.filled: dict[int, int] = {}            # seq id -> token slots in use
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.device.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self.device.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def slots_in_use(self) -> int:
+        """Token slots holding K/V in the device pool, a shared slot counted once."""
+        fill: dict[int, int] = {}
+        for s, table in self.tables.items():
+            n = self.filled[s]
+            for i, block in enumerate(table):
+                used = min(self.block_size, max(0, n - i * self.block_size))
+                fill[block] = max(fill.get(block, 0), used)
+        return sum(fill.values())
+
+    def can_allocate(self, *num_tokens: int) -> bool:
+        """Can new sequences of ``num_tokens[i]`` slots be admitted now (above the watermark)?"""
+        need = sum(blocks_for(n, self.block_size) for n in num_tokens)
+        return self.num_free - need >= self.watermark_blocks
+
+    def blocks_to_reserve(self, seq_id: int, num_tokens: int) -> int:
+        """New blocks ``reserve(seq_id, num_tokens)`` would take (growth plus copy-on-write)."""
+        table, filled = self.tables[seq_id], self.filled[seq_id]
+        grow = max(0, blocks_for(num_tokens, self.block_size) - len(table))
+        return grow + len(self._shared_blocks_written(table, filled, num_tokens))
+
+    # ---- allocation ------------------------------------------------------------------------
+    def allocate(self, seq_id: int, num_tokens: int, reserve_tokens: int | None = None) -> None:
+        """A new table for ``num_tokens`` slots; ``reserve_tokens`` (>= num_tokens) allocates room
+        for that many up front (Orca-style max-length reservation)."""
+        if seq_id in self.tables or seq_id in self.cpu_tables:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        capacity = max(num_tokens, reserve_tokens or 0)
+        need = blocks_for(capacity, self.block_size)
+        if need > self.num_free:
+            raise NoFreeBlocksError(f"need {need} blocks, {self.num_free} free")
+        self.tables[seq_id] = [self.device.take() for _ in range(need)]
+        self.filled[seq_id] = num_tokens
+
+    def reserve(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Make slots for ``num_tokens`` tokens in total (grow on demand). Returns the
+        copy-on-write pairs (src, dst): shared blocks about to be written get a private copy."""
+        if self.blocks_to_reserve(seq_id, num_tokens) > self.num_free:
+            raise NoFreeBlocksError(f"sequence {seq_id} needs more blocks than are free")
+        table, filled = self.tables[seq_id], self.filled[seq_id]
+        copies = []
+        for i in self._shared_blocks_written(table, filled, num_tokens):
+            src, dst = table[i], self.device.take()
+            self.device.release(src)
+            table[i] = dst
+            copies.append((src, dst))
+        while len(table) < blocks_for(num_tokens, self.block_size):
+            table.append(self.device.take())
+        self.filled[seq_id] = max(filled, num_tokens)
+        return copies
+
+    def _shared_blocks_written(self, table: list[int], filled: int, num_tokens: int) -> list[int]:
+        """Logical indices of existing shared blocks that slots [filled, num_tokens) fall in."""
+        if num_tokens <= filled:
+            return []
+        first, last = filled // self.block_size, (num_tokens - 1) // self.block_size
+        return [i for i in range(first, min(last + 1, len(table))) if self.device.ref[table[i]] > 1]
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Forget slots past ``num_tokens`` (rolled-back tokens); whole blocks past it are freed."""
+        table = self.tables[seq_id]
+        keep = blocks_for(num_tokens, self.block_size)
+        for block in table[keep:]:
+            self.device.release(block)
+        del table[keep:]
+        self.filled[seq_id] = min(self.filled[seq_id], num_tokens)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (reference counts go up, nothing copied)."""
+        if child_id in self.tables or child_id in self.cpu_tables:
+            raise ValueError(f"sequence {child_id} already has blocks")
+        table = self.tables[parent_id]
+        for block in table:
+            self.device.share(block)
+        self.tables[child_id] = list(table)
+        self.filled[child_id] = self.filled[parent_id]
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence's blocks (device or swapped); unknown ids are ignored."""
+        for block in self.tables.pop(seq_id, []):
+            self.device.release(block)
+        for block in self.cpu_tables.pop(seq_id, []):
+            self.cpu.release(block)
+        self.filled.pop(seq_id, None)
+
+    # ---- swapping ---------------------------------------------------------------------------
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        return len({b for s in seq_ids for b in self.tables[s]}) <= self.cpu.num_free
+
+    def can_swap_in(self, seq_ids: list[int], extra: int = 0) -> bool:
+        """Room above the watermark for the sequences' blocks plus ``extra`` more?"""
+        need = extra + len({b for s in seq_ids for b in self.cpu_tables[s]})
+        return self.num_free - need >= self.watermark_blocks
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move the sequences' blocks to the CPU pool. Returns (device block, CPU block) copies;
+        a block shared inside the group is copied once and stays shared."""
+        return self._move(seq_ids, self.tables, self.cpu_tables, self.device, self.cpu)
+
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move swapped sequences back. Returns (CPU block, device block) copies."""
+        return self._move(seq_ids, self.cpu_tables, self.tables, self.cpu, self.device)
+
+    @staticmethod
+    def _move(seq_ids, src_tables, dst_tables, src_pool: BlockPool, dst_pool: BlockPool):
+        mapping: dict[int, int] = {}
+        for s in seq_ids:
+            table = src_tables.pop(s)
+            for block in table:
+                if block not in mapping:
+                    mapping[block] = dst_pool.take()
+                else:
+                    dst_pool.share(mapping[block])
+                src_pool.release(block)
+            dst_tables[s] = [mapping[b] for b in table]
+        return list(mapping.items())
+
+    # ---- invariants -------------------------------------------------------------------------
+    def check(self) -> None:
+        """Assert the invariants in the module docstring (tests call this)."""
+        for pool, tables in ((self.device, self.tables), (self.cpu, self.cpu_tables)):
+            counts = Counter(b for t in tables.values() for b in t)
+            for block in range(pool.num_blocks):
+                assert pool.ref[block] == counts.get(block, 0), f"block {block} refcount wrong"
+            assert sorted(pool.free) == [b for b in range(pool.num_blocks) if pool.ref[b] == 0]
+        for s, n in self.filled.items():
+            table = self.tables.get(s, self.cpu_tables.get(s))
+            assert table is not None and len(table) >= blocks_for(n, self.block_size)

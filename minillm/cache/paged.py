@@ -1,0 +1,81 @@
+"""The paged KV pool on the model's device, a CPU swap pool, and the per-step cache view.
+
+Pool tensors k, v: [n_layers, num_blocks, block_size, Hkv, D]; layer l's slice is the
+[num_blocks, block_size, Hkv, D] layout of the paged kernels. Which block belongs to whom is
+decided by :class:`minillm.cache.block_manager.BlockManager`; the pool only moves data:
+copy-on-write copies, swap out (device -> CPU pool) and swap in.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..attention.paged import PagedAttentionFn, PagedMetadata, write_kv
+from ..config import ModelConfig
+from .base import Cache
+
+
+def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, K and V."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * elem
+
+
+class PagedKVPool:
+    """K/V storage for ``num_blocks`` device blocks and ``num_cpu_blocks`` swap blocks."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, num_cpu_blocks: int = 0) -> None:
+        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        cpu_shape = (cfg.n_layers, num_cpu_blocks, *shape[2:])
+        pin = device.type == "cuda"
+        self.cpu_k = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
+        self.cpu_v = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
+        self.block_size = block_size
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst gets block src's contents (all layers)."""
+        _copy(self.k, self.k, pairs)
+        _copy(self.v, self.v, pairs)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, CPU block) pairs: device -> CPU."""
+        _copy(self.k, self.cpu_k, pairs)
+        _copy(self.v, self.cpu_v, pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(CPU block, device block) pairs: CPU -> device."""
+        _copy(self.cpu_k, self.k, pairs)
+        _copy(self.cpu_v, self.v, pairs)
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+def _copy(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    if not pairs:
+        return
+    s = torch.tensor([p[0] for p in pairs], device=src.device)
+    d = torch.tensor([p[1] for p in pairs], device=dst.device)
+    dst[:, d] = src[:, s].to(dst.device, non_blocking=True)
+
+
+class PagedBatch(Cache):
+    """The cache the model sees during one engine step: q, k, v of the flat batch arrive as
+    [1, H, N, D]; k and v are written at ``meta.slot_mapping`` and attention runs through the
+    paged backend. The layer's own dense attention function is not used."""
+
+    def __init__(self, pool: PagedKVPool, meta: PagedMetadata, attn: PagedAttentionFn) -> None:
+        self.pool, self.meta, self.attn = pool, meta, attn
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_fn=None) -> torch.Tensor:
+        q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))    # [N, H, D]
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        write_kv(k_cache, v_cache, k, v, self.meta.slot_mapping)
+        out = self.attn(q.contiguous(), k, v, k_cache, v_cache, self.meta)
+        return out.transpose(0, 1)[None]                         # [1, Hq, N, D]
+
+    def advance(self, t: int) -> None:
+        """Positions are per sequence (the runner passes them); nothing to count here."""
