@@ -31,6 +31,8 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3 normalises q and k per head before RoPE
     bos_token_id: int = 1
     eos_token_id: int = 2
+    n_experts: int = 0  # > 0: each FFN is a mixture of n_experts SwiGLU experts of ffn_dim
+    top_k: int = 2  # experts per token when n_experts > 0
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -44,6 +46,12 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError("ModelConfig.rope_theta and norm_eps must be > 0")
+        if self.n_experts < 0:
+            raise ValueError(f"ModelConfig.n_experts must be >= 0 (0 = dense FFN), got "
+                             f"{self.n_experts}")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"ModelConfig.top_k must be in [1, n_experts={self.n_experts}], "
+                             f"got {self.top_k}")
 
     @property
     def group_size(self) -> int:
@@ -58,6 +66,8 @@ class ModelConfig:
         """Parameter count (embeddings counted once when tied)."""
         attn = self.d_model * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         ffn = 3 * self.d_model * self.ffn_dim
+        if self.n_experts:  # every expert is a SwiGLU, plus the router
+            ffn = self.n_experts * ffn + self.d_model * self.n_experts
         norms = 2 * self.d_model + (2 * self.head_dim if self.qk_norm else 0)
         emb = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + ffn + norms) + emb + self.d_model
@@ -73,6 +83,10 @@ PRESETS: dict[str, ModelConfig] = {
     # Small random model for fast tests.
     "tiny": ModelConfig(name="tiny", vocab_size=49152, d_model=64, n_layers=2, n_heads=4,
                         n_kv_heads=2, head_dim=16, ffn_dim=128, max_seq_len=512),
+    # A small mixture-of-experts model (SmolLM2's vocabulary, GQA, 8 SwiGLU experts per layer,
+    # top-2 routing): expert parallelism in chapter 03, random weights.
+    "moe-tiny": ModelConfig(name="moe-tiny", d_model=256, n_layers=4, n_heads=8, n_kv_heads=2,
+                            head_dim=32, ffn_dim=384, max_seq_len=2048, n_experts=8, top_k=2),
     # Real shapes, random weights: calculators and GPU benchmarks.
     "qwen3-0.6b": ModelConfig(name="qwen3-0.6b", vocab_size=151936, d_model=1024, n_layers=28,
                               n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,

@@ -103,7 +103,12 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, layer_idx)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg.d_model, cfg.ffn_dim)
+        if cfg.n_experts:
+            from .moe import MoEFeedForward  # moe imports SwiGLU from this module
+
+            self.ffn = MoEFeedForward(cfg.d_model, cfg.ffn_dim, cfg.n_experts, cfg.top_k)
+        else:
+            self.ffn = SwiGLU(cfg.d_model, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache)
