@@ -32,6 +32,15 @@ def _timed(fn, repeats: int) -> tuple[object, float]:
     return out, best
 
 
+def hello() -> dict:
+    """Who am I, and an all-reduce: every rank contributes rank + 1, all receive the sum."""
+    rank, p = comm.world()
+    t = torch.tensor([rank + 1.0], device=device_for_rank(rank))
+    dist.all_reduce(t)
+    return {"rank": rank, "world_size": p, "backend": dist.get_backend(), "sum": t.item(),
+            "threads": torch.get_num_threads()}
+
+
 @torch.inference_mode()
 def tp_forward(model, input_ids: torch.Tensor, repeats: int = 1) -> dict:
     """Tensor-parallel logits [B, T, V] of ``input_ids`` plus the log of one forward pass."""

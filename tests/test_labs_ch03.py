@@ -1,0 +1,102 @@
+"""Chapter 03 checkers: reference solutions pass, wrong ones fail, untouched stubs are "TODO"."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minillm.labs import ch03
+
+# --- reference solutions -------------------------------------------------------------------
+
+
+def ffn_partials(ffn, x, world_size):
+    per = ffn.w_gate.weight.shape[0] // world_size
+    parts = []
+    for r in range(world_size):
+        cols = slice(r * per, (r + 1) * per)
+        h = F.silu(x @ ffn.w_gate.weight[cols].T) * (x @ ffn.w_up.weight[cols].T)
+        parts.append(h @ ffn.w_down.weight[:, cols].T)
+    return parts
+
+
+def gpipe_slots(p, m):
+    return [[s + i for i in range(m)] for s in range(p)]
+
+
+def dispatch_counts(experts, n_experts, world_size):
+    per = n_experts // world_size
+    return [int(((experts // per) == r).sum()) for r in range(world_size)]
+
+
+def kv_heads(cfg, rank, world_size):
+    if cfg.n_heads % world_size:
+        raise ValueError("query heads do not split")
+    if cfg.n_kv_heads % world_size == 0:
+        per = cfg.n_kv_heads // world_size
+        return list(range(rank * per, (rank + 1) * per))
+    if world_size % cfg.n_kv_heads == 0:
+        return [rank * cfg.n_kv_heads // world_size]
+    raise ValueError("KV heads do not split")
+
+
+# --- wrong solutions -----------------------------------------------------------------------
+
+
+def ffn_partials_even_split(ffn, x, world_size):
+    return [ffn(x) / world_size for _ in range(world_size)]  # right sum, wrong shares
+
+
+def ffn_partials_activation_after(ffn, x, world_size):
+    per = ffn.w_gate.weight.shape[0] // world_size
+    parts = []
+    for r in range(world_size):
+        cols = slice(r * per, (r + 1) * per)
+        h = (x @ ffn.w_gate.weight[cols].T) * (x @ ffn.w_up.weight[cols].T)
+        parts.append(h @ ffn.w_down.weight[:, cols].T)
+    return parts  # forgot the SiLU
+
+
+def gpipe_slots_sequential(p, m):
+    return [[s * m + i for i in range(m)] for s in range(p)]  # no overlap between stages
+
+
+def dispatch_counts_by_expert_modulo(experts, n_experts, world_size):
+    return torch.bincount(experts.flatten() % world_size, minlength=world_size).tolist()
+
+
+def kv_heads_no_replication(cfg, rank, world_size):
+    if cfg.n_kv_heads % world_size:
+        raise ValueError("KV heads do not split")
+    per = cfg.n_kv_heads // world_size
+    return list(range(rank * per, (rank + 1) * per))
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError
+
+
+CHECKS = [
+    (ch03.check_ffn_partials, ffn_partials, ffn_partials_even_split),
+    (ch03.check_ffn_partials, ffn_partials, ffn_partials_activation_after),
+    (ch03.check_gpipe_slots, gpipe_slots, gpipe_slots_sequential),
+    (ch03.check_dispatch_counts, dispatch_counts, dispatch_counts_by_expert_modulo),
+    (ch03.check_kv_heads, kv_heads, kv_heads_no_replication),
+]
+IDS = ["ffn_even", "ffn_silu", "gpipe", "dispatch", "kv_heads"]
+
+
+@pytest.mark.parametrize("checker,right,wrong", CHECKS, ids=IDS)
+def test_reference_passes(checker, right, wrong):
+    result = checker(right)
+    assert result.passed is True, result.message
+
+
+@pytest.mark.parametrize("checker,right,wrong", CHECKS, ids=IDS)
+def test_wrong_fails(checker, right, wrong):
+    assert checker(wrong).passed is False
+
+
+@pytest.mark.parametrize("checker,right,wrong", CHECKS, ids=IDS)
+def test_stub_is_todo(checker, right, wrong):
+    assert checker(stub).passed is None
