@@ -84,3 +84,58 @@ def moe_stall(moe, x: torch.Tensor, world_size: int, repeats: int = 3,
         raise ValueError(f"x must be [N, D] with N >= world_size={world_size}, got "
                          f"{tuple(x.shape)}")
     return run(workers.moe_layer_stall, world_size, moe, x, repeats, backend=backend)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError("q must be [B, H, T, D] and k, v [B, Hkv, T, D] of the same shape")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} do not match (batch, "
+                         f"head_dim, and H a multiple of Hkv)")
+
+
+def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size: int,
+                       scheme: str = "ring", causal: bool = True, ulysses_degree: int = 1,
+                       backend: str | None = None) -> tuple[torch.Tensor, list[dict]]:
+    """Attention of q [B, H, T, D] over k, v [B, Hkv, T, D] split over ``world_size`` ranks by
+    sequence with ``scheme`` ("ring", "striped", "ulysses", "usp"). Returns (out [B, H, T, D]
+    reassembled from the shards, each rank's result dict)."""
+    from . import sequence as sp
+
+    check_launch(world_size, backend)
+    if scheme not in workers.SP_SCHEMES:
+        raise ValueError(f"scheme must be one of {workers.SP_SCHEMES}, got {scheme!r}")
+    _check_qkv(q, k, v)
+    if q.shape[2] != k.shape[2]:
+        raise ValueError("sequence parallelism here is self-attention: q and k need the same T")
+    sp.shard_positions(q.shape[2], world_size)  # checks T >= world_size
+    if scheme == "ulysses":
+        sp.check_ulysses(q.shape[1], k.shape[1], world_size)
+    if scheme == "usp":
+        if ulysses_degree < 1 or world_size % ulysses_degree:
+            raise ValueError(f"ulysses_degree must divide world_size={world_size}, got "
+                             f"{ulysses_degree}")
+        sp.check_ulysses(q.shape[1], k.shape[1], ulysses_degree)
+    results = run(workers.sp_attention, world_size, q, k, v, scheme, causal, ulysses_degree,
+                  backend=backend)
+    out = torch.zeros_like(q)
+    for r in results:
+        real = r["positions"] >= 0
+        out[:, :, r["positions"][real]] = r["out"][:, :, real].to(q.dtype)
+    return out, results
+
+
+def pass_q_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size: int,
+                     backend: str | None = None) -> tuple[torch.Tensor, list[dict]]:
+    """Decode with ring pass-Q: new-token queries q [B, H, P Lq, D] over a cache k, v
+    [B, Hkv, T, D] split over the ranks. Returns (out [B, H, P Lq, D], per-rank results)."""
+    from . import sequence as sp
+
+    check_launch(world_size, backend)
+    _check_qkv(q, k, v)
+    sp.shard_positions(k.shape[2], world_size)
+    if q.shape[2] % world_size:
+        raise ValueError(f"the new tokens are split evenly: q's length {q.shape[2]} must be a "
+                         f"multiple of world_size={world_size}")
+    results = run(workers.pass_q_decode, world_size, q, k, v, backend=backend)
+    return torch.cat([r["out"] for r in results], dim=2), results

@@ -178,7 +178,7 @@ def _context():
     """A forkserver context whose server has imported torch and minillm once: each later run
     forks ready workers in a fraction of a second instead of spawning fresh interpreters."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "minillm.parallel.workers"])
+    ctx.set_forkserver_preload(["torch", "minillm.parallel.workers", "minillm.parallel.sequence"])
     return ctx
 
 

@@ -108,3 +108,54 @@ def moe_layer_stall(moe, x: torch.Tensor, repeats: int = 3) -> dict:
         runs.append(dict(layer.last_stats, total_s=time.perf_counter() - t0))
     best = min(runs, key=lambda r: r["total_s"])
     return {"out": out, **best}
+
+
+SP_SCHEMES = ("ring", "striped", "ulysses", "usp")
+
+
+@torch.inference_mode()
+def sp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme: str, causal: bool,
+                 ulysses_degree: int = 1) -> dict:
+    """Sequence-parallel attention of the full q [B, H, T, D], k/v [B, Hkv, T, D] (the same on
+    every rank): this rank takes its shard, runs ``scheme`` and returns its "out" [B, H, L, D],
+    its "positions" [L] (-1 = padding), "pairs" computed (ring schemes), "seconds", "events"."""
+    from . import sequence as sp
+
+    rank, p = comm.world()
+    q, k, v = _here(q, k, v)
+    layout = "striped" if scheme == "striped" else "contiguous"
+    pos = sp.shard_positions(q.shape[2], p, layout)[rank].to(q.device)
+    ql, kl, vl = sp.take(q, pos), sp.take(k, pos), sp.take(v, pos)
+    groups = sp.usp_groups(ulysses_degree) if scheme == "usp" else None
+    stats: dict = {}
+    comm.reset()
+    dist.barrier()
+    t0 = time.perf_counter()
+    if scheme in ("ring", "striped"):
+        out = sp.ring_attention(ql, kl, vl, pos, pos, causal, stats=stats)
+    elif scheme == "ulysses":
+        out = sp.ulysses_attention(ql, kl, vl, pos, causal)
+    else:
+        out = sp.usp_attention(ql, kl, vl, pos, causal, *groups, stats=stats)
+    seconds = time.perf_counter() - t0
+    return {"out": out, "positions": pos, "pairs": stats.get("pairs"), "seconds": seconds,
+            "events": comm.events()}
+
+
+@torch.inference_mode()
+def pass_q_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """Ring pass-Q: the cache k/v [B, Hkv, T, D] is split contiguously over the ranks, rank r owns
+    the query block q[:, :, r Lq:(r+1) Lq] of the new tokens (positions T, T+1, ...); returns
+    its "out" [B, H, Lq, D] and "events"."""
+    from . import sequence as sp
+
+    rank, p = comm.world()
+    q, k, v = _here(q, k, v)
+    t = k.shape[2]
+    k_pos = sp.shard_positions(t, p, "contiguous")[rank].to(q.device)
+    lq = q.shape[2] // p
+    q_pos = torch.arange(t + rank * lq, t + (rank + 1) * lq, device=q.device)
+    comm.reset()
+    out = sp.ring_pass_q(q[:, :, rank * lq:(rank + 1) * lq], sp.take(k, k_pos), sp.take(v, k_pos),
+                         q_pos, k_pos)
+    return {"out": out, "events": comm.events()}
