@@ -198,8 +198,43 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
-#: ``bench`` subcommands; ``bench throughput`` goes here.
-BENCH_COMMANDS: dict[str, AddParser] = {"decode": add_bench_decode}
+def add_bench_throughput(sub) -> None:
+    p = sub.add_parser("throughput", help="serving throughput on mixed requests vs HF and "
+                                          "llama.cpp")
+    p.add_argument("--model", default="smollm2-135m", help="model or preset (default: %(default)s)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--dtype", default=None,
+                   help="dtype of minillm and HF (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--num-requests", type=int, default=64, help="requests (default: 64)")
+    p.add_argument("--hf-batch", type=int, default=32, help="HF static batch (default: 32)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch (default: 64)")
+    p.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads")
+    p.add_argument("--peers", nargs="+", default=["hf", "llama.cpp"],
+                   help="engines to compare with: hf, llama.cpp, or none")
+    p.add_argument("--out", default="benchmarks/results/throughput.json", help="JSON path")
+    p.add_argument("--figure", default="figures/bench_throughput.png",
+                   help="PNG path ('none' to skip the plot)")
+    p.set_defaults(func=cmd_bench_throughput)
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from .engine import bench
+
+    peers = [] if args.peers == ["none"] else args.peers
+    report = bench.run_throughput_bench(args.model, args.num_requests, args.dtype, args.device,
+                                        args.hf_batch, peers, threads=args.threads,
+                                        say=lambda msg: print(msg, file=sys.stderr),
+                                        max_num_seqs=args.max_num_seqs)
+    print(bench.format_table(report))
+    print(f"wrote {bench.write_json(report, args.out)}")
+    if args.figure != "none":
+        print(f"wrote {bench.save_figure(bench.plot_throughput(report), args.figure)}")
+    return 0
+
+
+#: ``bench`` subcommands.
+BENCH_COMMANDS: dict[str, AddParser] = {"decode": add_bench_decode,
+                                        "throughput": add_bench_throughput}
 
 
 def add_bench(sub) -> None:

@@ -1,0 +1,200 @@
+"""The throughput benchmark (``python -m minillm bench throughput``): one workload, three servers.
+
+The workload: ``num_requests`` requests that all arrive at once, with seeded lengths: prompts of
+32-512 tokens (English prose from :func:`minillm.evaluate.sample_ids`, cut at different offsets)
+and outputs of 32-256 tokens, greedy, EOS ignored so that every engine produces exactly the
+requested tokens. Output tokens/s = the requested output tokens / wall time. Engines:
+
+* ``minillm``: the engine (continuous batching, paged KV, selective batching);
+* ``hf``: HF transformers' ``generate`` on static, left-padded batches of ``hf_batch`` requests
+  in arrival order; each batch runs until its longest request is done (tokens generated past a
+  request's own length are not counted);
+* ``llama.cpp``: llama-cpp-python on the GGUF file (its Q4_1 weights), one request after another.
+
+Same machine, same threads, one run.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..bench import (
+    dtype_name,
+    llama_cpp_available,
+    load_hf_peer,
+    machine_info,
+    save_figure,
+    write_json,
+)
+from ..config import SamplingParams
+from ..device import resolve_device, resolve_dtype, sync
+from ..evaluate import sample_ids
+from ..loader import REAL_MODEL, load_model
+from ..weights import find_smollm2_gguf
+from .engine import EngineConfig, LLMEngine
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(tok, num_requests: int = 64, prompt_range=(32, 512), output_range=(32, 256),
+                  seed: int = 0) -> Workload:
+    """Seeded prompt and output lengths, uniform in the given ranges (inclusive)."""
+    rng = random.Random(seed)
+    text = sample_ids(prompt_range[1] * 4, tok)
+    prompts, outs = [], []
+    for _ in range(num_requests):
+        n = rng.randint(*prompt_range)
+        start = rng.randrange(0, len(text) - n)
+        prompts.append(text[start:start + n])
+        outs.append(rng.randint(*output_range))
+    return Workload(prompts, outs)
+
+
+@dataclass
+class ThroughputResult:
+    engine: str
+    dtype: str
+    seconds: float
+    output_tok_s: float
+    note: str = ""
+
+
+def run_minillm(model, tok, work: Workload, **options) -> tuple[float, dict]:
+    """Wall time of the engine on the workload, and latency/KV statistics."""
+    engine = LLMEngine(model, tok, EngineConfig(**options))
+    start = time.perf_counter()
+    for p, n in zip(work.prompts, work.output_lens):
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    sync(model.device)
+    seconds = time.perf_counter() - start
+    assert sum(len(o.token_ids) for o in outs) == work.output_tokens
+    ttft = sorted(o.ttft for o in outs)
+    tpot = sorted(o.tpot for o in outs if o.tpot is not None)
+    stats = {"steps": len(engine.trace), "peak_blocks_used": max(r.blocks_used
+                                                                 for r in engine.trace),
+             "num_blocks": engine.blocks.num_blocks,
+             "preemptions": sum(o.metrics.num_preemptions for o in outs),
+             "ttft_p50_s": ttft[len(ttft) // 2], "tpot_p50_s": tpot[len(tpot) // 2]}
+    return seconds, stats
+
+
+@torch.inference_mode()
+def run_hf(hf_model, work: Workload, batch: int, pad_id: int) -> float:
+    """Static batching: left-padded batches in arrival order, each to its longest output."""
+    start = time.perf_counter()
+    dev = hf_model.device
+    for i in range(0, len(work.prompts), batch):
+        prompts, outs = work.prompts[i:i + batch], work.output_lens[i:i + batch]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
+        hf_model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(outs),
+                          min_new_tokens=max(outs), pad_token_id=pad_id, temperature=None,
+                          top_p=None, top_k=None)
+    sync(dev)
+    return time.perf_counter() - start
+
+
+def run_llama_cpp(work: Workload, threads: int) -> float:
+    """One request after another through llama-cpp-python (greedy, the requested lengths)."""
+    from llama_cpp import Llama
+
+    longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens))
+    llm = Llama(model_path=str(find_smollm2_gguf()), n_ctx=longest + 8, n_batch=512,
+                n_threads=threads, n_threads_batch=threads, n_gpu_layers=0, verbose=False)
+    start = time.perf_counter()
+    for p, n in zip(work.prompts, work.output_lens):
+        llm.reset()
+        for i, _ in enumerate(llm.generate(p, temp=0.0, top_k=1, top_p=1.0, reset=True)):
+            if i + 1 == n:
+                break
+    return time.perf_counter() - start
+
+
+def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
+                         dtype: str | None = None, device: str | None = None,
+                         hf_batch: int = 32, peers=("hf", "llama.cpp"), seed: int = 0,
+                         threads: int | None = None, say=print, **engine_options) -> dict:
+    """Run the workload through minillm and the peers; returns the report (JSON-ready)."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if threads:
+        torch.set_num_threads(threads)
+    threads = torch.get_num_threads()
+    model, tok = load_model(model_name, device=dev, dtype=dt)
+    work = make_workload(tok, num_requests, seed=seed)
+    say(f"{num_requests} requests, {sum(map(len, work.prompts))} prompt tokens, "
+        f"{work.output_tokens} output tokens; {dtype_name(dt)} on {dev}, {threads} threads")
+    results = []
+    seconds, stats = run_minillm(model, tok, work, **engine_options)
+    results.append(ThroughputResult("minillm", dtype_name(dt), seconds,
+                                    work.output_tokens / seconds, "continuous batching, paged KV"))
+    say(f"minillm: {seconds:.1f} s, {results[-1].output_tok_s:.1f} output tok/s {stats}")
+    if "hf" in peers:
+        hf = load_hf_peer(model_name, dev).to(dt)
+        seconds = run_hf(hf, work, hf_batch, pad_id=tok.eos_token_id)
+        results.append(ThroughputResult("hf", dtype_name(dt), seconds,
+                                        work.output_tokens / seconds,
+                                        f"generate, static padded batches of {hf_batch}"))
+        say(f"hf: {seconds:.1f} s, {results[-1].output_tok_s:.1f} output tok/s")
+        del hf
+    if "llama.cpp" in peers and model_name == REAL_MODEL and llama_cpp_available() \
+            and dev.type == "cpu":
+        seconds = run_llama_cpp(work, threads)
+        results.append(ThroughputResult("llama.cpp", "Q4_1", seconds,
+                                        work.output_tokens / seconds,
+                                        "llama-cpp-python, one request after another"))
+        say(f"llama.cpp: {seconds:.1f} s, {results[-1].output_tok_s:.1f} output tok/s")
+    base = results[0].output_tok_s
+    return {"benchmark": "throughput", "model": model_name, "num_requests": num_requests,
+            "prompt_tokens": sum(map(len, work.prompts)), "output_tokens": work.output_tokens,
+            "seed": seed, "engine_options": engine_options, "minillm_stats": stats,
+            **machine_info(dev, threads),
+            "results": [asdict(r) for r in results],
+            "ratios": {f"minillm/{r.engine}": base / r.output_tok_s for r in results[1:]}}
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{'engine':<10} {'dtype':<9} {'seconds':>8} {'output tok/s':>13}  note", "-" * 70]
+    for r in report["results"]:
+        lines.append(f"{r['engine']:<10} {r['dtype']:<9} {r['seconds']:>8.1f} "
+                     f"{r['output_tok_s']:>13.1f}  {r['note']}")
+    lines += [f"{k}: x{v:.2f}" for k, v in report["ratios"].items()]
+    return "\n".join(lines)
+
+
+def plot_throughput(report: dict):
+    """Bar chart of output tokens/s per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    bars = ax.bar([f"{r['engine']}\n({r['dtype']})" for r in rows],
+                  [r["output_tok_s"] for r in rows], color=[f"C{i}" for i in range(len(rows))])
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"{report['num_requests']} requests on {report['device']} "
+                 f"({report['threads']} threads)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["Workload", "format_table", "make_workload", "plot_throughput", "run_throughput_bench",
+           "save_figure", "write_json"]
