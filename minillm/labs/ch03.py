@@ -108,7 +108,7 @@ def check_kv_heads(fn: Callable[[object, int, int], list[int]]) -> Result:
                     except ValueError:
                         continue
                     raise AssertionError(f"n_heads={hq}, n_kv_heads={hkv}, world_size={p} "
-                                         f"cannot be split, but you returned {got}")
+                                         f"cannot be split, but you returned {got}") from None
                 for r in range(p):
                     got = [int(h) for h in fn(cfg, r, p)]
                     want = list(kv_heads_of_rank(cfg, r, p))
