@@ -55,6 +55,7 @@ def _whoami() -> tuple[int, int, int]:
 
 def _fail_on_rank_one(pid_dir: str) -> None:
     Path(pid_dir, str(os.getpid())).touch()
+    dist.barrier()  # every rank has written its pid
     if dist.get_rank() == 1:
         raise KeyError("rank one gives up")
     dist.barrier()  # the others block here until they are terminated

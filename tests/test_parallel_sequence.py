@@ -139,3 +139,13 @@ def test_work_stealing_simulation(world):
                     assert r in (i, j)
     assert len(plain) == world
     assert len(balanced) == math.ceil(blocks / world)
+
+
+def test_ring_pass_q_with_queries_inside_the_cache():
+    """The last P tokens are the new ones: causal by position against a cache that holds them."""
+    t, world = 11, 2
+    q, k, v = _qkv(t, seed=4)
+    out, _ = parallel.pass_q_attention(q[:, :, -world:], k, v, world,
+                                       q_positions=torch.arange(t - world, t))
+    torch.testing.assert_close(out.double(), _full(q, k, v, True)[:, :, -world:], atol=2e-6,
+                               rtol=2e-6)

@@ -126,9 +126,11 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_
 
 
 def pass_q_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size: int,
+                     q_positions: torch.Tensor | None = None,
                      backend: str | None = None) -> tuple[torch.Tensor, list[dict]]:
-    """Decode with ring pass-Q: new-token queries q [B, H, P Lq, D] over a cache k, v
-    [B, Hkv, T, D] split over the ranks. Returns (out [B, H, P Lq, D], per-rank results)."""
+    """Decode with ring pass-Q: queries q [B, H, P Lq, D] at ``q_positions`` [P Lq] (default
+    T, T+1, ...: after the whole cache) over a cache k, v [B, Hkv, T, D] split over the ranks,
+    causal by position. Returns (out [B, H, P Lq, D], per-rank results)."""
     from . import sequence as sp
 
     check_launch(world_size, backend)
@@ -137,5 +139,10 @@ def pass_q_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_si
     if q.shape[2] % world_size:
         raise ValueError(f"the new tokens are split evenly: q's length {q.shape[2]} must be a "
                          f"multiple of world_size={world_size}")
-    results = run(workers.pass_q_decode, world_size, q, k, v, backend=backend)
+    if q_positions is None:
+        q_positions = torch.arange(k.shape[2], k.shape[2] + q.shape[2])
+    if q_positions.shape != (q.shape[2],):
+        raise ValueError(f"q_positions must be [{q.shape[2]}] (one per query), got "
+                         f"{tuple(q_positions.shape)}")
+    results = run(workers.pass_q_decode, world_size, q, k, v, q_positions, backend=backend)
     return torch.cat([r["out"] for r in results], dim=2), results

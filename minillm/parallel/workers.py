@@ -143,18 +143,18 @@ def sp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme: str,
 
 
 @torch.inference_mode()
-def pass_q_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+def pass_q_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  q_positions: torch.Tensor) -> dict:
     """Ring pass-Q: the cache k/v [B, Hkv, T, D] is split contiguously over the ranks, rank r owns
-    the query block q[:, :, r Lq:(r+1) Lq] of the new tokens (positions T, T+1, ...); returns
-    its "out" [B, H, Lq, D] and "events"."""
+    the query block q[:, :, r Lq:(r+1) Lq] at positions q_positions[r Lq:(r+1) Lq]; returns its
+    "out" [B, H, Lq, D] and "events"."""
     from . import sequence as sp
 
     rank, p = comm.world()
-    q, k, v = _here(q, k, v)
-    t = k.shape[2]
-    k_pos = sp.shard_positions(t, p, "contiguous")[rank].to(q.device)
+    q, k, v, q_positions = _here(q, k, v, q_positions)
+    k_pos = sp.shard_positions(k.shape[2], p, "contiguous")[rank].to(q.device)
     lq = q.shape[2] // p
-    q_pos = torch.arange(t + rank * lq, t + (rank + 1) * lq, device=q.device)
+    q_pos = q_positions[rank * lq:(rank + 1) * lq]
     comm.reset()
     out = sp.ring_pass_q(q[:, :, rank * lq:(rank + 1) * lq], sp.take(k, k_pos), sp.take(v, k_pos),
                          q_pos, k_pos)
