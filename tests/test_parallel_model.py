@@ -107,14 +107,20 @@ def test_same_code_runs_under_torchrun():
 
 # --- tensor parallelism -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_tp_logits_equal_single_process(dense, world):
-    model, ids, want = dense
-    results = parallel.tp_logits(model, ids, world)
+def _check_tp_results(results, model, want) -> None:
+    """Every rank has the full logits and did 2 L + 1 all-reduces and 1 all-gather."""
     for r in results:
         torch.testing.assert_close(r["logits"], want, atol=1e-5, rtol=1e-5)
         counts = {op: row["calls"] for op, row in comm.summary(r["events"]).items()}
         assert counts == expected_collectives(model.cfg)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_logits_equal_single_process(dense, world):
+    model, ids, want = dense
+    results = parallel.tp_logits(model, ids, world)
+    _check_tp_results(results, model, want)
+    for r in results:
         reduces = [e for e in r["events"] if e.op == "all_reduce"]
         assert all(e.payload == ids.numel() * model.cfg.d_model * 4 for e in reduces)
     # the shards hold 1/P of every matrix; norms are replicated, and so are KV heads when
@@ -195,11 +201,7 @@ def test_ep_equals_single_process_and_loses_no_token(moe, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_hybrid_tp_attention_ep_experts(moe, world):
     model, ids, want = moe
-    results = parallel.hybrid_logits(model, ids, world)
-    for r in results:
-        torch.testing.assert_close(r["logits"], want, atol=1e-5, rtol=1e-5)
-        counts = {op: row["calls"] for op, row in comm.summary(r["events"]).items()}
-        assert counts == expected_collectives(model.cfg)
+    _check_tp_results(parallel.hybrid_logits(model, ids, world), model, want)
 
 
 def test_ep_bad_input_fails_before_any_process(dense, moe):
