@@ -181,7 +181,8 @@ class LLMEngine:
                 self._finish(req)
         self.trace.append(StepRecord(len(self.trace), start, time.perf_counter(),
                                      [r.request_id for r in plan.requests], prefill, decode,
-                                     self.blocks.num_used, [r.request_id for r in plan.preempted]))
+                                     self.blocks.num_used, self.blocks.slots_in_use(),
+                                     [r.request_id for r in plan.preempted]))
         outputs = [self.output(r) for r in plan.requests]
         for r in plan.requests:
             if r.finished:

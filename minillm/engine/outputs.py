@@ -53,7 +53,8 @@ class RequestOutput:
 
 @dataclass
 class StepRecord:
-    """One engine step, for timelines: which requests ran, how many tokens of each kind."""
+    """One engine step, for timelines: which requests ran, how many tokens of each kind, and
+    the KV pool after it (blocks in use, token slots holding K/V)."""
 
     index: int
     start: float
@@ -62,6 +63,7 @@ class StepRecord:
     prefill_tokens: int
     decode_tokens: int
     blocks_used: int
+    slots_used: int
     preempted: list[str] = field(default_factory=list)
 
 
