@@ -1,0 +1,51 @@
+"""ipywidgets explorers for the chapters. Each returns a widget to display in a notebook.
+
+Chapter 04: :func:`memory_explorer`, a slider over engine steps showing the KV pool's memory
+map (which request owns each physical block, reference counts of shared blocks) and the block
+tables of the running sequences.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+
+def memory_explorer(snapshots, cols: int = 16):
+    """A slider over :class:`~minillm.engine.workload.MemorySnapshot` s (record them with
+    ``serve(..., snapshots=True)``): the memory map of the chosen step and its block tables."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    from .engine.plots import memory_map
+
+    if not snapshots:
+        raise ValueError("snapshots must not be empty: run serve(..., snapshots=True)")
+    slider = widgets.IntSlider(value=len(snapshots) // 2, min=0, max=len(snapshots) - 1,
+                               description="step", continuous_update=False)
+    out = widgets.Output()
+
+    def show(change=None) -> None:
+        snap = snapshots[slider.value]
+        with out:
+            out.clear_output(wait=True)
+            fig = memory_map(snap, cols=cols)
+            display(fig)
+            plt.close(fig)
+            print(block_tables_text(snap))
+
+    slider.observe(show, names="value")
+    show()
+    return widgets.VBox([slider, out])
+
+
+def block_tables_text(snap, max_rows: int = 12) -> str:
+    """The block tables of a snapshot as text: seq id, request, tokens, physical blocks."""
+    lines = [f"{'seq':>5} {'request':>8} {'tokens':>7}  block table (physical ids; * = shared)"]
+    for seq_id, (rid, table, n) in list(snap.tables.items())[:max_rows]:
+        blocks = " ".join(f"{b}{'*' if snap.ref[b] > 1 else ''}" for b in table)
+        lines.append(f"{seq_id:>5} {rid:>8} {n:>7}  {blocks}")
+    if len(snap.tables) > max_rows:
+        lines.append(f"... {len(snap.tables) - max_rows} more sequences")
+    return "\n".join(lines)
+
+
+__all__ = ["block_tables_text", "memory_explorer"]
