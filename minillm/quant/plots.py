@@ -1,0 +1,94 @@
+"""Figures for the quantization half of appendix A1 (each function returns a Figure)."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def plot_quant_bench(report: dict) -> plt.Figure:
+    """Perplexity ratio and decode speed-up of each format against the float reference."""
+    rows = report["results"]
+    names = [r["name"] for r in rows]
+    ref = names[0]
+    colours = ["0.5" if r["method"] == "none" else ("C1" if r["method"].startswith("q") else "C0")
+               for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    x = np.arange(len(rows))
+    for ax, key, title in ((axes[0], "ppl_ratio", f"perplexity / {ref}"),
+                           (axes[1], "decode_speedup", f"decode tokens/s / {ref}")):
+        bars = ax.bar(x, [r[key] for r in rows], color=colours)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.set_xticks(x, names, rotation=60, fontsize=8)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_title(title)
+    axes[0].axhline(1.03, color="C3", ls="--", lw=1, label="target: within 3 %")
+    axes[0].set_ylim(0.9, max(1.1, max(r["ppl_ratio"] for r in rows) * 1.08))
+    axes[0].legend(fontsize=8)
+    for level, lab in ((1.5, "int8 target 1.5x"), (2.0, "int4 target 2x")):
+        axes[1].axhline(level, color="C3", ls="--", lw=1)
+        axes[1].text(len(rows) - 0.5, level, lab, ha="right", va="bottom", fontsize=7, color="C3")
+    ax = axes[2]
+    for r, c in zip(rows, colours):
+        ax.scatter(r["bits_per_weight"], r["ppl"], color=c)
+        ax.annotate(r["name"], (r["bits_per_weight"], r["ppl"]), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("stored bits per block weight")
+    ax.set_ylabel("perplexity")
+    ax.set_title("quality against size")
+    fig.suptitle(f"{report['model']} on {report['device']} ({report['threads']} threads): "
+                 f"{report['eval_tokens']} held-out tokens, batch-1 decode", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_bit_layouts() -> plt.Figure:
+    """The byte layout of one block of each GGUF format and of our int4 group, bit by bit."""
+    layouts = {
+        "Q8_0 (32 weights, 34 B)": [("d fp16", 16, "C3"), ("32 x int8 q", 256, "C0")],
+        "Q4_1 (32 weights, 20 B)": [("d fp16", 16, "C3"), ("m fp16", 16, "C2"),
+                                    ("16 B: q[j] low | q[j+16] high nibble", 128, "C0")],
+        "Q4_K (256 weights, 144 B)": [("d", 16, "C3"), ("dmin", 16, "C2"),
+                                      ("8 x 6-bit sc + 8 x 6-bit m (12 B)", 96, "C4"),
+                                      ("128 B of nibbles", 1024, "C0")],
+        "int4 g32 (ours: 32 weights)": [("16 B codes", 128, "C0"), ("scale", 16, "C3"),
+                                         ("min", 16, "C2")],
+        "int8 per channel (one row of K)": [("K x int8", 256, "C0"), ("scale", 32, "C3")],
+    }
+    fig, axes = plt.subplots(len(layouts), 1, figsize=(12, 0.9 * len(layouts) + 0.6))
+    for ax, (title, parts) in zip(axes, layouts.items()):
+        total = sum(bits for _, bits, _ in parts)
+        start = 0
+        for label, bits, colour in parts:
+            ax.barh(0, bits / total, left=start / total, color=colour, alpha=0.6,
+                    edgecolor="k")
+            ax.text((start + bits / 2) / total, 0, f"{label}\n{bits} bits", ha="center",
+                    va="center", fontsize=7)
+            start += bits
+        ax.set_xlim(0, 1)
+        ax.set_yticks([])
+        ax.set_xticks([])
+        ax.set_title(f"{title}: {total} bits", fontsize=9, loc="left")
+    fig.tight_layout()
+    return fig
+
+
+def plot_weight_histogram(w, deq: dict, bins: int = 120) -> plt.Figure:
+    """One row of a weight and its dequantized versions: where the levels fall."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
+    axes[0].hist(np.asarray(w, dtype=np.float64).ravel(), bins=bins, color="0.6",
+                 label="original")
+    for i, (name, d) in enumerate(deq.items()):
+        vals = np.unique(np.asarray(d, dtype=np.float64).ravel())
+        axes[0].vlines(vals, 0, axes[0].get_ylim()[1] * (0.3 + 0.15 * i), color=f"C{i}",
+                       lw=0.6, label=f"{name}: {len(vals)} levels")
+        err = np.asarray(d, dtype=np.float64).ravel() - np.asarray(w, dtype=np.float64).ravel()
+        axes[1].hist(err, bins=bins, histtype="step", color=f"C{i}", label=name)
+    axes[0].set_title("weights of one group row and the values each format can store")
+    axes[0].legend(fontsize=7)
+    axes[1].set_title("rounding error (dequantized - original)")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
