@@ -35,8 +35,9 @@ class PagedMetadata:
     slot_mapping: int64 [N], cache slot (block * block_size + offset) of each new token.
     block_tables: int32 [S, max_blocks]; seq_lens: int32 [S], tokens in the cache after this step.
     cu_seqlens_q: int32 [S + 1], row ranges of each sequence; q_lens, ctx_lens: Python lists
-    (new tokens, tokens cached before this step). decode_slots int64 [num_decode, L_max] and
-    decode_mask bool [num_decode, 1, 1, L_max] index the decode sequences' padded keys.
+    (new tokens, tokens cached before this step). decode_blocks int64 [num_decode * W] lists
+    the W block ids of each decode sequence's table (padded with block 0) and decode_mask bool
+    [num_decode, 1, 1, W * block_size] marks the real keys among those blocks' slots.
     """
 
     slot_mapping: torch.Tensor
@@ -47,7 +48,7 @@ class PagedMetadata:
     ctx_lens: list[int]
     num_decode: int
     block_size: int
-    decode_slots: torch.Tensor | None = None
+    decode_blocks: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
 
     @property
@@ -71,12 +72,10 @@ def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: l
                          tables.to(device), seq_lens.to(device), cu.to(device),
                          list(q_lens), list(ctx_lens), num_decode, block_size)
     if num_decode:
-        lens = seq_lens[:num_decode]
-        l_max = int(lens.max())
-        offsets = torch.arange(width * block_size)[:l_max]
-        slot_ids = tables[:num_decode].long()[:, offsets // block_size] * block_size
-        meta.decode_slots = (slot_ids + offsets % block_size).to(device)
-        meta.decode_mask = (offsets[None] < lens[:, None].long())[:, None, None].to(device)
+        w = max(len(t) for t in block_tables[:num_decode])
+        meta.decode_blocks = tables[:num_decode, :w].flatten().long().to(device)
+        slots = torch.arange(w * block_size)
+        meta.decode_mask = (slots[None] < seq_lens[:num_decode, None])[:, None, None].to(device)
     return meta
 
 
@@ -117,12 +116,12 @@ def _gather(cache: torch.Tensor, meta: PagedMetadata, i: int) -> torch.Tensor:
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             meta: PagedMetadata) -> torch.Tensor:
     """One query per sequence, q [B, Hq, D], over its padded, masked keys -> [B, Hq, D].
-    The query heads sharing a KV head are stacked on the query axis, so K/V are not copied
-    per head."""
+    Whole blocks are gathered (a few large copies, much faster than one per token); the query
+    heads sharing a KV head are stacked on the query axis, so K/V are not copied per head."""
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
-    keys = k_cache.view(-1, hkv, d)[meta.decode_slots].transpose(1, 2)    # [B, Hkv, L, D]
-    values = v_cache.view(-1, hkv, d)[meta.decode_slots].transpose(1, 2)
+    keys, values = (c.index_select(0, meta.decode_blocks).view(b, -1, hkv, d).transpose(1, 2)
+                    for c in (k_cache, v_cache))                           # [B, Hkv, L, D]
     qg = q.view(b, hkv, hq // hkv, d)
     return F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask) \
         .view(b, hq, d)

@@ -49,9 +49,13 @@ class Workload:
 
 def make_workload(tok, num_requests: int = 64, prompt_range=(32, 512), output_range=(32, 256),
                   seed: int = 0) -> Workload:
-    """Seeded prompt and output lengths, uniform in the given ranges (inclusive)."""
+    """Seeded prompt and output lengths, uniform in the given ranges (inclusive). Prompts are
+    prose; with ``tok`` None (random-weight runs on a GPU) they are seeded random ids."""
     rng = random.Random(seed)
-    text = sample_ids(prompt_range[1] * 4, tok)
+    if tok is None:
+        text = [rng.randrange(10, 49152) for _ in range(prompt_range[1] * 4)]
+    else:
+        text = sample_ids(prompt_range[1] * 4, tok)
     prompts, outs = [], []
     for _ in range(num_requests):
         n = rng.randint(*prompt_range)
@@ -128,14 +132,17 @@ def run_llama_cpp(work: Workload, threads: int) -> float:
 def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
                          dtype: str | None = None, device: str | None = None,
                          hf_batch: int = 32, peers=("hf", "llama.cpp"), seed: int = 0,
-                         threads: int | None = None, say=print, **engine_options) -> dict:
-    """Run the workload through minillm and the peers; returns the report (JSON-ready)."""
+                         threads: int | None = None, random_weights: bool = False, say=print,
+                         **engine_options) -> dict:
+    """Run the workload through minillm and the peers; returns the report (JSON-ready).
+    ``random_weights``: the model's shape with seeded random weights (GPU machines without the
+    model file); HF then gets the same weights through :func:`minillm.hf_interop.to_hf_model`."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if threads:
         torch.set_num_threads(threads)
     threads = torch.get_num_threads()
-    model, tok = load_model(model_name, device=dev, dtype=dt)
+    model, tok = load_model(model_name, device=dev, dtype=dt, random_weights=random_weights)
     work = make_workload(tok, num_requests, seed=seed)
     say(f"{num_requests} requests, {sum(map(len, work.prompts))} prompt tokens, "
         f"{work.output_tokens} output tokens; {dtype_name(dt)} on {dev}, {threads} threads")
@@ -145,15 +152,20 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
                                     work.output_tokens / seconds, "continuous batching, paged KV"))
     say(f"minillm: {seconds:.1f} s, {results[-1].output_tok_s:.1f} output tok/s {stats}")
     if "hf" in peers:
-        hf = load_hf_peer(model_name, dev).to(dt)
-        seconds = run_hf(hf, work, hf_batch, pad_id=tok.eos_token_id)
+        if random_weights:
+            from ..hf_interop import to_hf_model
+
+            hf = to_hf_model(model)
+        else:
+            hf = load_hf_peer(model_name, dev).to(dt)
+        seconds = run_hf(hf, work, hf_batch, pad_id=model.cfg.eos_token_id)
         results.append(ThroughputResult("hf", dtype_name(dt), seconds,
                                         work.output_tokens / seconds,
                                         f"generate, static padded batches of {hf_batch}"))
         say(f"hf: {seconds:.1f} s, {results[-1].output_tok_s:.1f} output tok/s")
         del hf
-    if "llama.cpp" in peers and model_name == REAL_MODEL and llama_cpp_available() \
-            and dev.type == "cpu":
+    if "llama.cpp" in peers and model_name == REAL_MODEL and not random_weights \
+            and llama_cpp_available() and dev.type == "cpu":
         seconds = run_llama_cpp(work, threads)
         results.append(ThroughputResult("llama.cpp", "Q4_1", seconds,
                                         work.output_tokens / seconds,
@@ -162,7 +174,8 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
     base = results[0].output_tok_s
     return {"benchmark": "throughput", "model": model_name, "num_requests": num_requests,
             "prompt_tokens": sum(map(len, work.prompts)), "output_tokens": work.output_tokens,
-            "seed": seed, "engine_options": engine_options, "minillm_stats": stats,
+            "seed": seed, "random_weights": random_weights, "engine_options": engine_options,
+            "minillm_stats": stats,
             **machine_info(dev, threads),
             "results": [asdict(r) for r in results],
             "ratios": {f"minillm/{r.engine}": base / r.output_tok_s for r in results[1:]}}
