@@ -302,3 +302,14 @@ def test_real_model_mixed_batch_equals_hf_greedy(real, hf_model):
                                 max_new_tokens=16, min_new_tokens=16, pad_token_id=0)
         assert out.token_ids == ref[0, ids.shape[1]:].tolist()
         assert out.ttft is not None and out.tpot is not None and out.tpot > 0
+
+
+def test_llm_with_quantized_weights_equals_the_quantized_model_alone():
+    import minillm
+
+    llm = minillm.LLM("tiny", quantization="int8", num_kv_blocks=50)
+    assert type(llm.model.layers[0].attn.wq).__name__ == "Int8Linear"
+    prompts = prompts_of([5, 3])
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == alone(llm.model, prompts, GREEDY)
+    assert_all_free(llm.engine)
