@@ -313,3 +313,20 @@ def test_llm_with_quantized_weights_equals_the_quantized_model_alone():
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == alone(llm.model, prompts, GREEDY)
     assert_all_free(llm.engine)
+
+
+def test_throughput_bench_counts_every_requested_token(tmp_path):
+    """The benchmark's plumbing on the tiny model with HF as the peer (same weights)."""
+    from minillm.engine.bench import format_table, plot_throughput, run_throughput_bench
+
+    report = run_throughput_bench("tiny", num_requests=4, device="cpu", hf_batch=2,
+                                  peers=("hf",), prompt_range=(4, 12), output_range=(3, 6),
+                                  say=lambda msg: None, max_num_seqs=3)
+    minillm_row, hf_row = report["results"]
+    assert minillm_row["engine"] == "minillm" and hf_row["engine"] == "hf"
+    rate_times_time = minillm_row["output_tok_s"] * minillm_row["seconds"]
+    assert rate_times_time == pytest.approx(report["output_tokens"])
+    assert 3 * 4 <= report["output_tokens"] <= 6 * 4
+    assert set(report["ratios"]) == {"minillm/hf"} and report["minillm_stats"]["steps"] > 0
+    assert "minillm/hf" in format_table(report)
+    assert plot_throughput(report).axes

@@ -15,6 +15,7 @@ Same machine, same threads, one run.
 """
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -67,24 +68,34 @@ def make_workload(tok, num_requests: int = 64, prompt_range=(32, 512), output_ra
 
 @dataclass
 class ThroughputResult:
+    """``seconds``: wall time; ``cpu_seconds``: CPU time of this process (all its threads),
+    which a busy shared machine disturbs less than wall time."""
+
     engine: str
     dtype: str
     seconds: float
+    cpu_seconds: float
     output_tok_s: float
     note: str = ""
 
 
-def run_minillm(model, tok, work: Workload, **options) -> tuple[float, dict]:
-    """Wall time of the engine on the workload, and latency/KV statistics."""
+def timed(engine: str, dtype: str, note: str, work: Workload, device, fn) -> ThroughputResult:
+    """Run ``fn()`` once and time it (wall and process CPU time)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    sync(device)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return ThroughputResult(engine, dtype, wall, cpu, work.output_tokens / wall, note)
+
+
+def run_minillm(model, tok, work: Workload, **options) -> dict:
+    """Serve the workload with the engine; returns latency and KV statistics."""
     engine = LLMEngine(model, tok, EngineConfig(**options))
-    start = time.perf_counter()
     for p, n in zip(work.prompts, work.output_lens):
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     outs = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.finished]
-    sync(model.device)
-    seconds = time.perf_counter() - start
     assert sum(len(o.token_ids) for o in outs) == work.output_tokens
     ttft = sorted(o.ttft for o in outs)
     tpot = sorted(o.tpot for o in outs if o.tpot is not None)
@@ -93,13 +104,12 @@ def run_minillm(model, tok, work: Workload, **options) -> tuple[float, dict]:
              "num_blocks": engine.blocks.num_blocks,
              "preemptions": sum(o.metrics.num_preemptions for o in outs),
              "ttft_p50_s": ttft[len(ttft) // 2], "tpot_p50_s": tpot[len(tpot) // 2]}
-    return seconds, stats
+    return stats
 
 
 @torch.inference_mode()
-def run_hf(hf_model, work: Workload, batch: int, pad_id: int) -> float:
+def run_hf(hf_model, work: Workload, batch: int, pad_id: int) -> None:
     """Static batching: left-padded batches in arrival order, each to its longest output."""
-    start = time.perf_counter()
     dev = hf_model.device
     for i in range(0, len(work.prompts), batch):
         prompts, outs = work.prompts[i:i + batch], work.output_lens[i:i + batch]
@@ -109,30 +119,27 @@ def run_hf(hf_model, work: Workload, batch: int, pad_id: int) -> float:
         hf_model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(outs),
                           min_new_tokens=max(outs), pad_token_id=pad_id, temperature=None,
                           top_p=None, top_k=None)
-    sync(dev)
-    return time.perf_counter() - start
 
 
-def run_llama_cpp(work: Workload, threads: int) -> float:
+def run_llama_cpp(work: Workload, threads: int) -> None:
     """One request after another through llama-cpp-python (greedy, the requested lengths)."""
     from llama_cpp import Llama
 
     longest = max(len(p) + n for p, n in zip(work.prompts, work.output_lens))
     llm = Llama(model_path=str(find_smollm2_gguf()), n_ctx=longest + 8, n_batch=512,
                 n_threads=threads, n_threads_batch=threads, n_gpu_layers=0, verbose=False)
-    start = time.perf_counter()
     for p, n in zip(work.prompts, work.output_lens):
         llm.reset()
         for i, _ in enumerate(llm.generate(p, temp=0.0, top_k=1, top_p=1.0, reset=True)):
             if i + 1 == n:
                 break
-    return time.perf_counter() - start
 
 
 def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
                          dtype: str | None = None, device: str | None = None,
                          hf_batch: int = 32, peers=("hf", "llama.cpp"), seed: int = 0,
-                         threads: int | None = None, random_weights: bool = False, say=print,
+                         threads: int | None = None, random_weights: bool = False,
+                         prompt_range=(32, 512), output_range=(32, 256), say=print,
                          **engine_options) -> dict:
     """Run the workload through minillm and the peers; returns the report (JSON-ready).
     ``random_weights``: the model's shape with seeded random weights (GPU machines without the
@@ -143,14 +150,13 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
         torch.set_num_threads(threads)
     threads = torch.get_num_threads()
     model, tok = load_model(model_name, device=dev, dtype=dt, random_weights=random_weights)
-    work = make_workload(tok, num_requests, seed=seed)
+    work = make_workload(tok, num_requests, prompt_range, output_range, seed)
     say(f"{num_requests} requests, {sum(map(len, work.prompts))} prompt tokens, "
         f"{work.output_tokens} output tokens; {dtype_name(dt)} on {dev}, {threads} threads")
-    results = []
-    seconds, stats = run_minillm(model, tok, work, **engine_options)
-    results.append(ThroughputResult("minillm", dtype_name(dt), seconds,
-                                    work.output_tokens / seconds, "continuous batching, paged KV"))
-    say(f"minillm: {seconds:.1f} s, {results[-1].output_tok_s:.1f} output tok/s {stats}")
+    stats: dict = {}
+    results = [timed("minillm", dtype_name(dt), "continuous batching, paged KV", work, dev,
+                     lambda: stats.update(run_minillm(model, tok, work, **engine_options)))]
+    say(f"minillm: {results[-1]} {stats}")
     if "hf" in peers:
         if random_weights:
             from ..hf_interop import to_hf_model
@@ -158,19 +164,16 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
             hf = to_hf_model(model)
         else:
             hf = load_hf_peer(model_name, dev).to(dt)
-        seconds = run_hf(hf, work, hf_batch, pad_id=model.cfg.eos_token_id)
-        results.append(ThroughputResult("hf", dtype_name(dt), seconds,
-                                        work.output_tokens / seconds,
-                                        f"generate, static padded batches of {hf_batch}"))
-        say(f"hf: {seconds:.1f} s, {results[-1].output_tok_s:.1f} output tok/s")
+        results.append(timed("hf", dtype_name(dt), f"generate, static padded batches of "
+                             f"{hf_batch}", work, dev,
+                             lambda: run_hf(hf, work, hf_batch, model.cfg.eos_token_id)))
+        say(f"hf: {results[-1]}")
         del hf
     if "llama.cpp" in peers and model_name == REAL_MODEL and not random_weights \
             and llama_cpp_available() and dev.type == "cpu":
-        seconds = run_llama_cpp(work, threads)
-        results.append(ThroughputResult("llama.cpp", "Q4_1", seconds,
-                                        work.output_tokens / seconds,
-                                        "llama-cpp-python, one request after another"))
-        say(f"llama.cpp: {seconds:.1f} s, {results[-1].output_tok_s:.1f} output tok/s")
+        results.append(timed("llama.cpp", "Q4_1", "llama-cpp-python, one request after "
+                             "another", work, dev, lambda: run_llama_cpp(work, threads)))
+        say(f"llama.cpp: {results[-1]}")
     base = results[0].output_tok_s
     return {"benchmark": "throughput", "model": model_name, "num_requests": num_requests,
             "prompt_tokens": sum(map(len, work.prompts)), "output_tokens": work.output_tokens,
@@ -178,15 +181,20 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
             "minillm_stats": stats,
             **machine_info(dev, threads),
             "results": [asdict(r) for r in results],
-            "ratios": {f"minillm/{r.engine}": base / r.output_tok_s for r in results[1:]}}
+            "ratios": {f"minillm/{r.engine}": base / r.output_tok_s for r in results[1:]},
+            "cpu_time_ratios": {f"minillm/{r.engine}": r.cpu_seconds / results[0].cpu_seconds
+                                for r in results[1:]},
+            "load_average": list(os.getloadavg())}
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{'engine':<10} {'dtype':<9} {'seconds':>8} {'output tok/s':>13}  note", "-" * 70]
+    lines = [f"{'engine':<10} {'dtype':<9} {'wall s':>8} {'CPU s':>8} {'output tok/s':>13}  note",
+             "-" * 78]
     for r in report["results"]:
         lines.append(f"{r['engine']:<10} {r['dtype']:<9} {r['seconds']:>8.1f} "
-                     f"{r['output_tok_s']:>13.1f}  {r['note']}")
-    lines += [f"{k}: x{v:.2f}" for k, v in report["ratios"].items()]
+                     f"{r['cpu_seconds']:>8.1f} {r['output_tok_s']:>13.1f}  {r['note']}")
+    lines += [f"{k}: x{v:.2f} (wall), x{report['cpu_time_ratios'][k]:.2f} (CPU time)"
+              for k, v in report["ratios"].items()]
     return "\n".join(lines)
 
 
