@@ -164,81 +164,91 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- bench
 
-def add_bench_decode(sub) -> None:
-    p = sub.add_parser("decode", help="prefill and batch-1 decode tokens/s vs HF and llama.cpp")
+def bench_parser(sub, name: str, help: str):
+    """A ``bench NAME`` parser with the options every benchmark shares; it writes
+    benchmarks/results/NAME.json and figures/bench_NAME.png unless told otherwise."""
+    p = sub.add_parser(name, help=help)
     p.add_argument("--model", default="smollm2-135m", help="model or preset (default: %(default)s)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch (and llama.cpp) threads (default: the available cores)")
+    p.add_argument("--out", default=f"benchmarks/results/{name}.json", help="JSON path")
+    p.add_argument("--figure", default=f"figures/bench_{name}.png",
+                   help="PNG path ('none' to skip the plot)")
+    return p
+
+
+def add_peers(p) -> None:
+    p.add_argument("--peers", nargs="+", default=["hf", "llama.cpp"],
+                   help="engines to compare with: hf, llama.cpp, or none")
+
+
+def peers_of(args: argparse.Namespace) -> list[str]:
+    return [] if args.peers == ["none"] else args.peers
+
+
+def write_report(args: argparse.Namespace, report: dict, table: str, plot) -> int:
+    """Print the table, write the JSON and (unless --figure none) the plot."""
+    from . import bench
+
+    print(table)
+    print(f"wrote {bench.write_json(report, args.out)}")
+    if args.figure != "none":
+        print(f"wrote {bench.save_figure(plot(report), args.figure)}")
+    return 0
+
+
+def log_to_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def add_bench_decode(sub) -> None:
+    p = bench_parser(sub, "decode", "prefill and batch-1 decode tokens/s vs HF and llama.cpp")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                    help="dtypes of minillm and HF (default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated (default: 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs; median (default: 3)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch and llama.cpp threads (default: the available cores)")
-    p.add_argument("--peers", nargs="+", default=["hf", "llama.cpp"],
-                   help="engines to compare with: hf, llama.cpp, or none")
-    p.add_argument("--out", default="benchmarks/results/decode.json", help="JSON path")
-    p.add_argument("--figure", default="figures/bench_decode.png",
-                   help="PNG path ('none' to skip the plot)")
+    add_peers(p)
     p.set_defaults(func=cmd_bench_decode)
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     from . import bench
 
-    peers = [] if args.peers == ["none"] else args.peers
     report = bench.run_decode_bench(args.model, dtypes=args.dtypes, prompt_len=args.prompt_len,
                                     new_tokens=args.new_tokens, repeats=args.repeats,
-                                    device=args.device, threads=args.threads, peers=peers,
-                                    log=lambda msg: print(msg, file=sys.stderr))
-    print(bench.format_table(report))
-    print(f"wrote {bench.write_json(report, args.out)}")
-    if args.figure != "none":
-        print(f"wrote {bench.save_figure(bench.plot_decode(report), args.figure)}")
-    return 0
+                                    device=args.device, threads=args.threads,
+                                    peers=peers_of(args), log=log_to_stderr)
+    return write_report(args, report, bench.format_table(report), bench.plot_decode)
 
 
 def add_bench_throughput(sub) -> None:
-    p = sub.add_parser("throughput", help="serving throughput on mixed requests vs HF and "
-                                          "llama.cpp")
-    p.add_argument("--model", default="smollm2-135m", help="model or preset (default: %(default)s)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p = bench_parser(sub, "throughput", "serving throughput on mixed requests vs HF and "
+                                        "llama.cpp")
     p.add_argument("--dtype", default=None,
                    help="dtype of minillm and HF (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--num-requests", type=int, default=64, help="requests (default: 64)")
     p.add_argument("--hf-batch", type=int, default=32, help="HF static batch (default: 32)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch (default: 64)")
-    p.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads")
-    p.add_argument("--peers", nargs="+", default=["hf", "llama.cpp"],
-                   help="engines to compare with: hf, llama.cpp, or none")
-    p.add_argument("--out", default="benchmarks/results/throughput.json", help="JSON path")
-    p.add_argument("--figure", default="figures/bench_throughput.png",
-                   help="PNG path ('none' to skip the plot)")
+    add_peers(p)
     p.set_defaults(func=cmd_bench_throughput)
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from .engine import bench
 
-    peers = [] if args.peers == ["none"] else args.peers
     report = bench.run_throughput_bench(args.model, args.num_requests, args.dtype, args.device,
-                                        args.hf_batch, peers, threads=args.threads,
-                                        say=lambda msg: print(msg, file=sys.stderr),
-                                        max_num_seqs=args.max_num_seqs)
-    print(bench.format_table(report))
-    print(f"wrote {bench.write_json(report, args.out)}")
-    if args.figure != "none":
-        print(f"wrote {bench.save_figure(bench.plot_throughput(report), args.figure)}")
-    return 0
+                                        args.hf_batch, peers_of(args), threads=args.threads,
+                                        say=log_to_stderr, max_num_seqs=args.max_num_seqs)
+    return write_report(args, report, bench.format_table(report), bench.plot_throughput)
 
 
 def add_bench_quant(sub) -> None:
     from .quant.bench import DEFAULT_SPECS
 
-    p = sub.add_parser("quant", help="perplexity and batch-1 decode of every quantization "
-                                     "format against bf16")
-    p.add_argument("--model", default="smollm2-135m", help="model (default: %(default)s)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p = bench_parser(sub, "quant", "perplexity and batch-1 decode of every quantization format "
+                                   "against bf16")
     p.add_argument("--dtype", default="bfloat16", help="the float reference and activation "
                                                       "dtype (default: %(default)s)")
     p.add_argument("--specs", nargs="+", default=list(DEFAULT_SPECS),
@@ -247,28 +257,18 @@ def add_bench_quant(sub) -> None:
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default: 64)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated (default: 32)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds; median (default: 3)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
-    p.add_argument("--out", default="benchmarks/results/quant.json", help="JSON path")
-    p.add_argument("--figure", default="figures/bench_quant.png",
-                   help="PNG path ('none' to skip the plot)")
     p.set_defaults(func=cmd_bench_quant)
 
 
 def cmd_bench_quant(args: argparse.Namespace) -> int:
-    from . import bench
     from .quant import bench as qbench
     from .quant.plots import plot_quant_bench
 
     report = qbench.run_quant_bench(args.model, specs=args.specs, dtype=args.dtype,
                                     eval_tokens=args.eval_tokens, prompt_len=args.prompt_len,
                                     new_tokens=args.new_tokens, repeats=args.repeats,
-                                    device=args.device, threads=args.threads,
-                                    log=lambda msg: print(msg, file=sys.stderr))
-    print(qbench.format_table(report))
-    print(f"wrote {bench.write_json(report, args.out)}")
-    if args.figure != "none":
-        print(f"wrote {bench.save_figure(plot_quant_bench(report), args.figure)}")
-    return 0
+                                    device=args.device, threads=args.threads, log=log_to_stderr)
+    return write_report(args, report, qbench.format_table(report), plot_quant_bench)
 
 
 #: ``bench`` subcommands.
