@@ -29,8 +29,9 @@ GiB = 1 << 30
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Engine options; the scheduler's (SchedulerConfig) are accepted here too.
+class EngineConfig(SchedulerConfig):
+    """Engine options: the scheduler's (max_num_seqs, max_num_batched_tokens, batching, policy,
+    admission, preemption, mixed) plus the KV pool's and the attention backend.
 
     num_kv_blocks None sizes the pool from ``kv_cache_memory`` bytes (None: 90% of free GPU
     memory on CUDA, 2 GiB on the CPU). ``swap_space`` GiB of CPU memory hold swapped blocks.
@@ -43,26 +44,18 @@ class EngineConfig:
     swap_space: float = 0.5
     watermark: float = 0.01
     attention_backend: str | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    batching: str = "continuous"
-    policy: str = "fcfs"
-    admission: str = "paged"
-    preemption: str = "recompute"
-    mixed: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        self.scheduler_config()  # checks its fields
 
     def scheduler_config(self) -> SchedulerConfig:
-        names = {f.name for f in fields(SchedulerConfig)}
-        return SchedulerConfig(**{n: getattr(self, n) for n in names})
+        return SchedulerConfig(**{f.name: getattr(self, f.name) for f in fields(SchedulerConfig)})
 
 
 def kv_blocks_for_memory(model: Transformer, block_size: int, memory: int | None) -> int:
