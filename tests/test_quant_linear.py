@@ -198,3 +198,16 @@ def test_real_model_perplexity_int8_int4(real):
     for method in ("int8", "int4"):
         qm = quantize_model(copy.deepcopy(model), method)
         assert perplexity(qm, ids, prefill=len(ids)) < 1.03 * base, method
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_linear_backward_through_the_dequantized_weight(kind):
+    """QLoRA needs gradients through a frozen quantized layer: dL/dx = g W (float64 check)."""
+    w = randn(24, 64, scale=0.05)
+    lin = Int8Linear.from_linear(_linear(w)) if kind == "int8" else Int4Linear(
+        *quantize_int4(w, 32), 32)
+    x = randn(3, 64, seed=1).requires_grad_(True)
+    g = randn(3, 24, seed=2)
+    lin(x).backward(g)
+    torch.testing.assert_close(x.grad.double(), g.double() @ lin.dequantize().double(),
+                               atol=1e-5, rtol=1e-5)

@@ -36,6 +36,12 @@ def has_cpu_int4_op() -> bool:
             and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"))
 
 
+def _needs_grad(x: torch.Tensor) -> bool:
+    """Training through a frozen quantized layer (QLoRA): the packed ops have no backward, so
+    the gradient goes through the dequantized weight instead."""
+    return torch.is_grad_enabled() and x.requires_grad
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
@@ -62,6 +68,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (*x.shape[:-1], self.out_features)
+        if _needs_grad(x):
+            return F.linear(x, self.dequantize().to(x.dtype))
         if x.device.type == "cpu" and has_cpu_int8_op():
             y = torch.ops.aten._weight_int8pack_mm(_flat(x).to(OP_DTYPE), self.q, self.scale_op)
         else:
@@ -116,6 +124,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (*x.shape[:-1], self.out_features)
+        if _needs_grad(x):
+            return F.linear(x, self.dequantize().to(x.dtype))
         h = _flat(x)
         if self.in_scale is not None:
             h = h * self.in_scale.to(h.dtype)

@@ -1,0 +1,76 @@
+"""Appendix A1 checkers: reference solutions pass, wrong ones fail, untouched stubs are "TODO"."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.labs import a1
+
+
+def int8_roundtrip(w):
+    scale = (w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12)
+    return torch.round(w / scale).clamp(-127, 127) * scale
+
+
+def int8_per_tensor(w):
+    scale = w.abs().max() / 127
+    return torch.round(w / scale) * scale
+
+
+def int4_roundtrip(w, g):
+    x = w.reshape(w.shape[0], -1, g)
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    return (torch.round((x - lo) / scale).clamp(0, 15) * scale + lo).reshape(w.shape)
+
+
+def int4_symmetric(w, g):
+    x = w.reshape(w.shape[0], -1, g)
+    scale = x.abs().amax(-1, keepdim=True) / 7
+    return (torch.round(x / scale).clamp(-8, 7) * scale).reshape(w.shape)
+
+
+def lora_merge(w, a, b, alpha):
+    return w + alpha / a.shape[0] * b @ a
+
+
+def lora_merge_no_scaling(w, a, b, alpha):
+    return w + b @ a
+
+
+def dpo(pi_c, pi_r, ref_c, ref_r, beta):
+    return -torch.nn.functional.logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))).mean()
+
+
+def dpo_no_reference(pi_c, pi_r, ref_c, ref_r, beta):
+    return -torch.nn.functional.logsigmoid(beta * (pi_c - pi_r)).mean()
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError
+
+
+CHECKS = [
+    (a1.check_int8_roundtrip, int8_roundtrip, int8_per_tensor),
+    (a1.check_int4_roundtrip, int4_roundtrip, int4_symmetric),
+    (a1.check_lora_merge, lora_merge, lora_merge_no_scaling),
+    (a1.check_dpo_loss, dpo, dpo_no_reference),
+]
+IDS = ["int8", "int4", "lora_merge", "dpo"]
+
+
+@pytest.mark.parametrize("checker,right,wrong", CHECKS, ids=IDS)
+def test_reference_passes(checker, right, wrong):
+    result = checker(right)
+    assert result.passed is True, result.message
+
+
+@pytest.mark.parametrize("checker,right,wrong", CHECKS, ids=IDS)
+def test_wrong_fails(checker, right, wrong):
+    result = checker(wrong)
+    assert result.passed is False and result.message
+
+
+@pytest.mark.parametrize("checker,right,wrong", CHECKS, ids=IDS)
+def test_stub_is_not_attempted(checker, right, wrong):
+    assert checker(stub).passed is None
