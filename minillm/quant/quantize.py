@@ -54,24 +54,12 @@ def check_method(method: str) -> str:
     return method
 
 
-def calibration_ids(tok, n_tokens: int = 512, offset: int = CALIBRATION_OFFSET) -> list[int]:
+def calibration_ids(tok, n_tokens: int = 256, offset: int = CALIBRATION_OFFSET) -> list[int]:
     """``n_tokens`` of reference-manual prose that the held-out perplexity text never uses."""
     from ..evaluate import sample_ids
 
     return sample_ids(offset + n_tokens, tok)[offset:]
 
-
-def _get(module: nn.Module, dotted: str) -> nn.Module:
-    for part in dotted.split("."):
-        module = getattr(module, part)
-    return module
-
-
-def _set(module: nn.Module, dotted: str, new: nn.Module) -> None:
-    *path, last = dotted.split(".")
-    for part in path:
-        module = getattr(module, part)
-    setattr(module, last, new)
 
 
 class _Stop(Exception):
@@ -89,7 +77,7 @@ def layer_inputs(model: nn.Module, layer: int, ids: torch.Tensor,
     for name in names:
         def hook(_m, args, _out, name=name):
             seen[name] = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-        hooks.append(_get(block, name).register_forward_hook(hook))
+        hooks.append(block.get_submodule(name).register_forward_hook(hook))
 
     def stop(*_):
         raise _Stop
@@ -157,16 +145,16 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
                 calib_ids = calibration_ids(tokenizer)
             else:
                 gen = torch.Generator().manual_seed(0)
-                calib_ids = torch.randint(0, model.cfg.vocab_size, (512,), generator=gen)
+                calib_ids = torch.randint(0, model.cfg.vocab_size, (256,), generator=gen)
         flat = torch.as_tensor(calib_ids, dtype=torch.long).flatten()
         rows = max(1, flat.numel() // calib_seq_len)
         ids = flat[: rows * calib_seq_len].reshape(rows, -1)
     for i, block in enumerate(model.layers):
         xs = layer_inputs(model, i, ids) if ids is not None else {}
         for name in LINEARS:
-            new = quantize_linear(_get(block, name), method, group_size, xs.get(name),
+            new = quantize_linear(block.get_submodule(name), method, group_size, xs.get(name),
                                   name=f"layers.{i}.{name}")
-            _set(block, name, new)
+            block.set_submodule(name, new)
         if progress:
             progress(f"{method}: layer {i + 1}/{len(model.layers)}")
     if quantize_head and isinstance(model.lm_head, nn.Linear):

@@ -80,18 +80,6 @@ class LoRALinear(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha}, merged={self.merged}"
 
 
-def _get(module: nn.Module, dotted: str) -> nn.Module:
-    for part in dotted.split("."):
-        module = getattr(module, part)
-    return module
-
-
-def _set(module: nn.Module, dotted: str, new: nn.Module) -> None:
-    *path, last = dotted.split(".")
-    for part in path:
-        module = getattr(module, part)
-    setattr(module, last, new)
-
 
 def add_lora(model: nn.Module, rank: int = 8, alpha: float = 16.0,
              targets: Sequence[str] = TARGETS, layers: Sequence[int] | None = None,
@@ -109,8 +97,9 @@ def add_lora(model: nn.Module, rank: int = 8, alpha: float = 16.0,
     added = []
     for i in layers:
         for j, name in enumerate(targets):
-            lora = LoRALinear(_get(model.layers[i], name), rank, alpha, seed=seed + 100 * i + j)
-            _set(model.layers[i], name, lora)
+            block = model.layers[i]
+            lora = LoRALinear(block.get_submodule(name), rank, alpha, seed=seed + 100 * i + j)
+            block.set_submodule(name, lora)
             added.append(lora)
     return added
 
@@ -170,5 +159,5 @@ def fold_lora(model: nn.Module) -> nn.Module:
     for name, m in list(model.named_modules()):
         if isinstance(m, LoRALinear):
             m.merge()
-            _set(model, name, m.base)
+            model.set_submodule(name, m.base)
     return model
