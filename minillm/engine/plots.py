@@ -8,6 +8,8 @@ between arrivals skipped), the clock :func:`~minillm.engine.workload.serve` repo
 """
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
@@ -52,7 +54,7 @@ def batch_timeline(runs: dict[str, RunResult], slots: int | None = None) -> plt.
         ax.set_ylabel("request")
         ax.set_title(f"{name}: {run.output_tokens} tokens in {run.makespan:.1f} s "
                      f"({run.throughput:.1f} tok/s), mean latency {run.mean('e2e'):.1f} s",
-                     fontsize=9)
+                     fontsize=9, loc="left")
         strip.step(start + dur, [len(r.request_ids) for r in run.trace], where="pre",
                    color="k", lw=1)
         if slots:
@@ -62,7 +64,8 @@ def batch_timeline(runs: dict[str, RunResult], slots: int | None = None) -> plt.
     axes[-1].set_xlabel("engine clock (s)")
     axes[0].set_xlim(0, max(r.makespan for r in runs.values()))
     handles = [Rectangle((0, 0), 1, 1, fc=c) for c in (PREFILL, DECODE, "0.6")]
-    axes[0].legend(handles, ["prefill", "decode", "waiting"], loc="lower right", fontsize=8)
+    axes[0].legend(handles, ["prefill", "decode", "waiting"], loc="lower right", fontsize=8,
+                   ncol=3, bbox_to_anchor=(1.0, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 
@@ -97,11 +100,12 @@ def kv_usage_plot(runs: dict[str, RunResult]) -> plt.Figure:
                         label="allocated, empty")
         ax.fill_between(t, used, step="pre", color="tab:green", alpha=0.8, label="holding K/V")
         ax.axhline(run.num_blocks * run.block_size, color="k", lw=0.8, ls=":")
-        ax.set_title(f"{name}: {100 * run.kv_waste:.0f}% of allocated slots empty", fontsize=9)
+        ax.set_title(f"{name}\n{100 * run.kv_waste:.0f}% of allocated slots empty", fontsize=9)
         ax.set_xlabel("engine clock (s)")
         ax.set_ylabel("KV token slots")
         ax.legend(fontsize=7, loc="lower right")
-    bars = axes[-1].bar(list(runs), [r.mean_running for r in runs.values()],
+    bars = axes[-1].bar([textwrap.fill(n, 18) for n in runs],
+                        [r.mean_running for r in runs.values()],
                         color=[f"C{i}" for i in range(len(runs))])
     axes[-1].bar_label(bars, fmt="%.1f")
     axes[-1].set_title("requests per step (mean)", fontsize=9)
