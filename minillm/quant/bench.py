@@ -26,8 +26,8 @@ from .ggml_blocks import BLOCKS, bits_per_weight
 from .linear import DequantizedLinear, Int4Linear, Int8Linear
 from .quantize import DEFAULT_GROUP_SIZE, INT4_METHODS, check_method, quantize_model, weight_bytes
 
-DEFAULT_SPECS = ("int8", "int4", "gptq", "awq", "hqq", "int4:64", "gptq:64", "awq:64",
-                 "hqq:64", "q8_0", "q4_1", "q4_k")
+DEFAULT_SPECS = ("int8", "int4", "gptq", "awq", "hqq", "int4:64", "hqq:64", "q8_0", "q4_1",
+                 "q4_k")
 #: the issue's targets on the 2-core CPU: decode speed-up over bf16 and perplexity ratio
 TARGETS = {"int8": (1.5, 1.03), "int4": (2.0, 1.03)}
 

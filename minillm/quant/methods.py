@@ -14,9 +14,24 @@ q [N, K] codes 0..15, scale and min [N, K/G], so one fast linear runs them all.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from .formats import check_group_size, check_weight, int4_params, quantize_int4_with
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run many small ops on one thread: on a busy machine, handing vectors of a few hundred
+    numbers to a thread pool costs more in waiting than it saves (GPTQ's column loop)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _check(w: torch.Tensor, group_size: int) -> None:
@@ -51,6 +66,14 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 32,
     q = torch.zeros(n, k, dtype=torch.uint8)
     scale = torch.zeros(n, k // group_size)
     mn = torch.zeros_like(scale)
+    with one_thread():
+        _gptq_columns(W, Hinv, q, scale, mn, group_size, block_size)
+    return q, scale, mn
+
+
+def _gptq_columns(W, Hinv, q, scale, mn, group_size: int, block_size: int) -> None:
+    """GPTQ's lazy-batch loop: columns one at a time inside a block, errors pushed right."""
+    k = W.shape[1]
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         W1 = W[:, i1:i2].clone()
@@ -69,7 +92,6 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 32,
             W1[:, i:] -= err[:, None] * Hb[i, i:][None, :]
             Err[:, i] = err
         W[:, i2:] -= Err @ Hinv[i1:i2, i2:]
-    return q, scale, mn
 
 
 # ----------------------------------------------------------------------------- AWQ
@@ -129,6 +151,13 @@ def hqq_quantize(w: torch.Tensor, group_size: int = 32, iters: int = 20, p: floa
     scale, mn = int4_params(w, group_size)
     s = scale[..., None]
     z = -mn[..., None] / s
+    with one_thread():
+        best_z = _hqq_zero(W, s, z, iters, p, beta, kappa)
+    mn = (-best_z * s)[..., 0]
+    return quantize_int4_with(w, scale, mn, group_size), scale, mn
+
+
+def _hqq_zero(W, s, z, iters: int, p: float, beta: float, kappa: float) -> torch.Tensor:
     best_err, best_z = float("inf"), z
     for _ in range(iters):
         q = torch.round(W / s + z).clamp(0, 15)
@@ -140,5 +169,4 @@ def hqq_quantize(w: torch.Tensor, group_size: int = 32, iters: int = 20, p: floa
         best_err, best_z = err, z
         z = (q - (W - We) / s).mean(-1, keepdim=True)
         beta *= kappa
-    mn = (-best_z * s)[..., 0]
-    return quantize_int4_with(w, scale, mn, group_size), scale, mn
+    return best_z
