@@ -13,9 +13,11 @@ from minillm.attention.paged import build_metadata, torch_paged_attention, write
 def test_torch_paged_attention_matches_reference(hq, hkv, d, block_size):
     g = torch.Generator().manual_seed(hq * 100 + block_size)
     # (cached before this step, new tokens): decodes first, then prefills with and without prefix
-    shapes = [(5, 1), (40, 1), (0, 1), (0, 23), (17, 9), (block_size, 3)]
-    num_decode = 3
-    num_blocks = 64
+    # 19 decode sequences: two decode groups (DECODE_GROUP = 16) of different padded widths
+    decodes = [(int(n), 1) for n in torch.randint(0, 60, (19,), generator=g)]
+    shapes = decodes + [(0, 23), (17, 9), (block_size, 3)]
+    num_decode = len(decodes)
+    num_blocks = 512
     order = torch.randperm(num_blocks, generator=g).tolist()   # shuffled physical blocks
     tables, used = [], 0
     for ctx, n in shapes:

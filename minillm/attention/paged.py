@@ -19,12 +19,26 @@ the layer's caches and the :class:`PagedMetadata`, and return [N, Hq, D]:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from .sdpa import sdpa_attention
+
+DECODE_GROUP = 16
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows [start, end): ``blocks`` int64 [(end - start) * W] lists the W block ids of each
+    sequence's table (padded with block 0); ``mask`` bool [end - start, 1, 1, W * block_size]
+    marks the real keys among those blocks' slots."""
+
+    start: int
+    end: int
+    blocks: torch.Tensor
+    mask: torch.Tensor
 
 
 @dataclass
@@ -35,9 +49,9 @@ class PagedMetadata:
     slot_mapping: int64 [N], cache slot (block * block_size + offset) of each new token.
     block_tables: int32 [S, max_blocks]; seq_lens: int32 [S], tokens in the cache after this step.
     cu_seqlens_q: int32 [S + 1], row ranges of each sequence; q_lens, ctx_lens: Python lists
-    (new tokens, tokens cached before this step). decode_blocks int64 [num_decode * W] lists
-    the W block ids of each decode sequence's table (padded with block 0) and decode_mask bool
-    [num_decode, 1, 1, W * block_size] marks the real keys among those blocks' slots.
+    (new tokens, tokens cached before this step). ``decode_groups`` cut the decode rows into
+    groups of up to ``DECODE_GROUP`` sequences (the runner sorts them by length, so a group pads
+    to similar lengths): see :class:`DecodeGroup`.
     """
 
     slot_mapping: torch.Tensor
@@ -48,8 +62,7 @@ class PagedMetadata:
     ctx_lens: list[int]
     num_decode: int
     block_size: int
-    decode_blocks: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
 
     @property
     def max_q_len(self) -> int:
@@ -71,11 +84,12 @@ def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: l
     meta = PagedMetadata(torch.tensor(slots, dtype=torch.long, device=device),
                          tables.to(device), seq_lens.to(device), cu.to(device),
                          list(q_lens), list(ctx_lens), num_decode, block_size)
-    if num_decode:
-        w = max(len(t) for t in block_tables[:num_decode])
-        meta.decode_blocks = tables[:num_decode, :w].flatten().long().to(device)
-        slots = torch.arange(w * block_size)
-        meta.decode_mask = (slots[None] < seq_lens[:num_decode, None])[:, None, None].to(device)
+    for a in range(0, num_decode, DECODE_GROUP):
+        b = min(a + DECODE_GROUP, num_decode)
+        w = max(len(t) for t in block_tables[a:b])
+        mask = torch.arange(w * block_size)[None] < seq_lens[a:b, None]
+        meta.decode_groups.append(DecodeGroup(a, b, tables[a:b, :w].flatten().long().to(device),
+                                              mask[:, None, None].to(device)))
     return meta
 
 
@@ -92,8 +106,8 @@ def torch_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D] (see the module docstring)."""
     out = torch.empty_like(q)
     nd = meta.num_decode
-    if nd:
-        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta)
+    for g in meta.decode_groups:
+        out[g.start:g.end] = _decode(q[g.start:g.end], k_cache, v_cache, g)
     cu = meta.cu_seqlens_q.tolist()
     for i in range(nd, len(meta.q_lens)):
         rows = slice(cu[i], cu[i + 1])
@@ -114,16 +128,16 @@ def _gather(cache: torch.Tensor, meta: PagedMetadata, i: int) -> torch.Tensor:
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            meta: PagedMetadata) -> torch.Tensor:
+            group: DecodeGroup) -> torch.Tensor:
     """One query per sequence, q [B, Hq, D], over its padded, masked keys -> [B, Hq, D].
     Whole blocks are gathered (a few large copies, much faster than one per token); the query
     heads sharing a KV head are stacked on the query axis, so K/V are not copied per head."""
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
-    keys, values = (c.index_select(0, meta.decode_blocks).view(b, -1, hkv, d).transpose(1, 2)
+    keys, values = (c.index_select(0, group.blocks).view(b, -1, hkv, d).transpose(1, 2)
                     for c in (k_cache, v_cache))                           # [B, Hkv, L, D]
     qg = q.view(b, hkv, hq // hkv, d)
-    return F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask) \
+    return F.scaled_dot_product_attention(qg, keys, values, attn_mask=group.mask) \
         .view(b, hq, d)
 
 

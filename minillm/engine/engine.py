@@ -75,8 +75,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         num_blocks = config.num_kv_blocks or kv_blocks_for_memory(model, config.block_size,
                                                                   config.kv_cache_memory)
-        num_cpu = int(config.swap_space * GiB) // block_bytes(model.cfg, config.block_size,
-                                                              model.dtype)
+        num_cpu = 0 if config.preemption == "recompute" else \
+            int(config.swap_space * GiB) // block_bytes(model.cfg, config.block_size, model.dtype)
         backend = config.attention_backend or ("triton" if model.device.type == "cuda"
                                                else "torch")
         self.blocks = BlockManager(num_blocks, config.block_size, num_cpu, config.watermark)
@@ -89,15 +89,19 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> str:
         """Check and queue a request; returns its id. Bad input raises ValueError and leaves the
-        engine as it was."""
+        engine as it was. ``arrival_time`` (time.perf_counter seconds, default now) is when the
+        request reached the server, for TTFT and latency."""
         params = params or SamplingParams()
         ids, text = self.validate(prompt, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = Request(request_id, ids, params, priority, text)
+        if arrival_time is not None:
+            req.metrics.arrival = arrival_time
         self.requests[request_id] = req
         self._generators[request_id] = make_generator(params.seed, self.model.device)
         self.scheduler.add(req)
@@ -119,7 +123,8 @@ class LLMEngine:
         check_prompt(self.model, ids)
         width = max(params.n, params.beam_width)
         longest = min(len(ids) + params.max_tokens, self.model.cfg.max_seq_len)
-        need = width * blocks_for(longest, self.blocks.block_size)
+        shared = len(ids) // self.blocks.block_size      # full prompt blocks, shared by forks
+        need = shared + width * (blocks_for(longest, self.blocks.block_size) - shared)
         if need > self.blocks.num_blocks:
             raise ValueError(f"request needs up to {need} KV blocks ({width} x {longest} tokens) "
                              f"but the pool has {self.blocks.num_blocks}: lower max_tokens, n or "

@@ -99,8 +99,9 @@ class LLM:
 
     # ---- online (servers) ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        return self.engine.add_request(prompt, params, request_id, priority)
+                    request_id: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> str:
+        return self.engine.add_request(prompt, params, request_id, priority, arrival_time)
 
     def step(self) -> list[RequestOutput]:
         return self.engine.step()

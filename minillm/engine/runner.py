@@ -33,8 +33,9 @@ class ModelRunner:
         self.pool.swap_in(plan.swap_in)
         self.pool.copy_blocks(plan.copies)
         seqs = [s for r in plan.requests for s in r.seqs]
-        seqs = [s for s in seqs if s.num_uncomputed == 1] + \
-               [s for s in seqs if s.num_uncomputed > 1]
+        # decodes first, by length, so that each decode group pads its keys to similar lengths
+        seqs = sorted((s for s in seqs if s.num_uncomputed == 1), key=lambda s: s.num_tokens) + \
+            [s for s in seqs if s.num_uncomputed > 1]
         num_decode = sum(s.num_uncomputed == 1 for s in seqs)
         ids, positions = [], []
         for s in seqs:

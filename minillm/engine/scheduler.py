@@ -14,10 +14,11 @@ Order (``policy``): ``fcfs`` by arrival, ``priority`` by (priority, arrival). Wa
 admitted in that order without skipping, so a large request is not starved by small ones.
 
 Preemption (``preemption``): when a running request cannot grow, the last request in that order
-is preempted, by ``recompute`` (its blocks are freed; it re-enters the waiting queue and its
-prompt plus output so far is prefilled again) or by ``swap`` (its blocks move to the CPU pool
-and come back before any new request is admitted; falls back to recompute when the CPU pool is
-full).
+(the lowest priority, then the latest arrival; a higher-priority arrival never preempts a running
+request by itself) is preempted, by ``recompute`` (its blocks are freed; it re-enters the waiting
+queue and its prompt plus output so far is prefilled again) or by ``swap`` (its blocks move to
+the CPU pool and come back before any new request is admitted; falls back to recompute when the
+CPU pool is full).
 
 ``mixed``: prefills and decodes share a step (one flat batch, selective batching). Without it a
 step is all prefill or all decode, prefill first (vLLM before chunked prefill).
