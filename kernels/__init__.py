@@ -9,11 +9,6 @@ plain-torch reference:
   [num_blocks, block_size, Hkv, D] (the serving engine's layout);
 - ``merge_attention``: merge two (out, lse) states (cascade / shared-prefix attention).
 
-Importing this package calls :func:`minillm.device.setup_triton`, which switches Triton to its
-interpreter when there is no GPU (the switch is read when a kernel module is imported, so it
-must come first). Nothing is compiled or autotuned at import; autotuning happens on a GPU only,
-at first call.
+Call :func:`minillm.device.setup_triton` before importing a kernel module when there is no GPU.
+Nothing is compiled or autotuned at import; autotuning happens on a GPU only, at first call.
 """
-from ..device import setup_triton
-
-setup_triton()

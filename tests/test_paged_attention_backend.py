@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from minillm.kernels.paged_attention import paged_prefill_reference
 
 from minillm.attention.paged import build_metadata, torch_paged_attention, write_kv
+from minillm.device import setup_triton
+
+setup_triton()  # before any kernel module is imported
+from minillm.kernels.paged_attention import paged_prefill_reference  # noqa: E402
 
 
 @pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (8, 8, 32, 4), (8, 1, 16, 7)])

@@ -145,6 +145,9 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: PagedMetadata) -> torch.Tensor:
     """The same contract through the Triton paged kernels (compiled on CUDA, else interpreted)."""
+    from ..device import setup_triton
+
+    setup_triton()  # before the kernel module is first imported
     from ..kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
     if meta.num_decode == len(meta.q_lens):
