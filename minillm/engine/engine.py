@@ -35,7 +35,9 @@ class EngineConfig(SchedulerConfig):
 
     num_kv_blocks None sizes the pool from ``kv_cache_memory`` bytes (None: 90% of free GPU
     memory on CUDA, 2 GiB on the CPU). ``swap_space`` GiB of CPU memory hold swapped blocks.
-    ``attention_backend`` None is "triton" on CUDA, "torch" elsewhere.
+    ``attention_backend`` None is "triton" on CUDA, "torch" elsewhere. ``pack_linears`` None
+    swaps the model's linears for oneDNN-packed ones (:class:`minillm.layers.PackedLinear`, same
+    parameters, in place) where that applies: float32 on the CPU.
     """
 
     block_size: int = 16
@@ -44,6 +46,7 @@ class EngineConfig(SchedulerConfig):
     swap_space: float = 0.5
     watermark: float = 0.01
     attention_backend: str | None = None
+    pack_linears: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,7 +84,8 @@ class LLMEngine:
                                                else "torch")
         self.blocks = BlockManager(num_blocks, config.block_size, num_cpu, config.watermark)
         self.scheduler = Scheduler(config.scheduler_config(), self.blocks, model.cfg.max_seq_len)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu, backend)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu, backend,
+                                  config.pack_linears)
         self.requests: dict[str, Request] = {}
         self.trace: list[StepRecord] = []
         self._ids = itertools.count()

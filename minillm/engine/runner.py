@@ -10,6 +10,7 @@ import torch
 
 from ..attention.paged import build_metadata, get_paged_backend
 from ..cache.paged import PagedBatch, PagedKVPool
+from ..layers import can_pack_linears, pack_linears
 from ..model import Transformer
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
@@ -17,8 +18,11 @@ from .sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int,
-                 num_cpu_blocks: int = 0, attention_backend: str = "torch") -> None:
+                 num_cpu_blocks: int = 0, attention_backend: str = "torch",
+                 pack: bool | None = None) -> None:
         self.model, self.block_size = model, block_size
+        if pack or (pack is None and can_pack_linears(model.device, model.dtype)):
+            pack_linears(model)
         self.pool = PagedKVPool(model.cfg, num_blocks, block_size, model.device, model.dtype,
                                 num_cpu_blocks)
         self.attention_backend = attention_backend

@@ -1,0 +1,59 @@
+"""PackedLinear (oneDNN-packed fp32 weights) against F.linear in float64 and the unpacked model."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import minillm
+from minillm.layers import PackedLinear, can_pack_linears, pack_linears
+
+pytestmark = pytest.mark.skipif(not can_pack_linears(torch.device("cpu"), torch.float32),
+                                reason="this PyTorch has no oneDNN linear")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 96), (64, 96), (2, 7, 96)])
+def test_packed_linear_equals_float64_linear(shape, bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 200, bias=bias)
+    x = torch.randn(shape)
+    want = F.linear(x.double(), lin.weight.double(), None if lin.bias is None
+                    else lin.bias.double())
+    with torch.inference_mode():
+        got = PackedLinear(lin)(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_repacks_after_in_place_update_and_trains_through_f_linear():
+    lin = PackedLinear(nn.Linear(16, 8, bias=False))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        before = lin(x)
+        lin.weight.mul_(2)
+        torch.testing.assert_close(lin(x), 2 * before)
+    lin(x).sum().backward()  # grad enabled: the F.linear path, so gradients flow
+    torch.testing.assert_close(lin.weight.grad, x.sum(0).expand(8, 16))
+
+
+def test_pack_linears_keeps_parameters_tying_and_logits():
+    model, _ = minillm.load_model("tiny", device="cpu", dtype="float32")
+    plain = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    n = pack_linears(model)
+    assert n == 7 * model.cfg.n_layers + 1
+    assert list(model.state_dict()) == keys
+    assert isinstance(model.lm_head, PackedLinear)
+    assert model.lm_head.weight is model.embed.weight  # tying survives
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids), plain(ids), rtol=1e-4, atol=1e-4)
+        model(ids)  # packs
+    clone = copy.deepcopy(model)  # the opaque packed tensors are not copied, but repacked
+    with torch.inference_mode():
+        torch.testing.assert_close(clone(ids), plain(ids), rtol=1e-4, atol=1e-4)
+    assert pack_linears(model) == 0  # idempotent
