@@ -410,9 +410,6 @@ def format_table(report: dict) -> str:
 
 def plot_decode(report: dict):
     """Bar charts of prefill and decode tokens/s, grouped by dtype, one colour per engine."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = report["results"]

@@ -200,9 +200,6 @@ def format_table(report: dict) -> str:
 
 def plot_throughput(report: dict):
     """Bar chart of output tokens/s per engine."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = report["results"]

@@ -1,11 +1,8 @@
 """Figures for the quantization half of appendix A1 (each function returns a Figure)."""
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
 
 def plot_quant_bench(report: dict) -> plt.Figure:

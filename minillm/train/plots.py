@@ -1,10 +1,7 @@
 """Figures for the post-training half of appendix A1 (each function returns a Figure)."""
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def plot_curves(panels: dict[str, dict[str, list[float]]], ncols: int = 3) -> plt.Figure:
