@@ -1,8 +1,8 @@
 """Appendix A1 checkers: reference solutions pass, wrong ones fail, untouched stubs are "TODO"."""
 from __future__ import annotations
 
-import pytest
 import torch
+from lab_checks import checker_tests
 
 from minillm.labs import a1
 
@@ -46,10 +46,6 @@ def dpo_no_reference(pi_c, pi_r, ref_c, ref_r, beta):
     return -torch.nn.functional.logsigmoid(beta * (pi_c - pi_r)).mean()
 
 
-def stub(*args, **kwargs):
-    raise NotImplementedError
-
-
 CHECKS = [
     (a1.check_int8_roundtrip, int8_roundtrip, int8_per_tensor),
     (a1.check_int4_roundtrip, int4_roundtrip, int4_symmetric),
@@ -59,18 +55,5 @@ CHECKS = [
 IDS = ["int8", "int4", "lora_merge", "dpo"]
 
 
-@pytest.mark.parametrize("checker,right,wrong", CHECKS, ids=IDS)
-def test_reference_passes(checker, right, wrong):
-    result = checker(right)
-    assert result.passed is True, result.message
-
-
-@pytest.mark.parametrize("checker,right,wrong", CHECKS, ids=IDS)
-def test_wrong_fails(checker, right, wrong):
-    result = checker(wrong)
-    assert result.passed is False and result.message
-
-
-@pytest.mark.parametrize("checker,right,wrong", CHECKS, ids=IDS)
-def test_stub_is_not_attempted(checker, right, wrong):
-    assert checker(stub).passed is None
+test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = \
+    checker_tests(CHECKS, IDS)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-import pytest
+from lab_checks import checker_tests
 
 from minillm.labs import a2
 
@@ -63,10 +63,6 @@ def size_from_ridge_alone(bandwidth, peak_flops, bytes_per_elem):
     return math.ceil(peak_flops / bandwidth)  # n = ridge, forgetting 2n/(3b)
 
 
-def stub(*args, **kwargs):
-    raise NotImplementedError
-
-
 CHECKS = [
     (a2.check_blocks_per_sm, blocks_per_sm, blocks_ignoring_granularity),
     (a2.check_blocks_per_sm, blocks_per_sm, blocks_without_reserved_smem),
@@ -78,22 +74,8 @@ IDS = ["blocks_granularity", "blocks_reserved_smem", "intensity_no_output",
        "intensity_one_flop", "size_ridge_alone"]
 
 
-@pytest.mark.parametrize("checker,right,wrong", CHECKS, ids=IDS)
-def test_reference_passes(checker, right, wrong):
-    result = checker(right)
-    assert result.passed is True, result.message
-
-
-@pytest.mark.parametrize("checker,right,wrong", CHECKS, ids=IDS)
-def test_wrong_fails(checker, right, wrong):
-    result = checker(wrong)
-    assert result.passed is False
-    assert result.message
-
-
-@pytest.mark.parametrize("checker", sorted({c for c, _, _ in CHECKS}, key=lambda c: c.__name__))
-def test_stub_is_not_attempted(checker):
-    assert checker(stub).passed is None
+test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = \
+    checker_tests(CHECKS, IDS)
 
 
 def test_package_functions_pass_their_checkers():
