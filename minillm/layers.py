@@ -137,8 +137,9 @@ class PackedLinear(nn.Linear):
         return self._packed[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return F.linear(x, self.weight, self.bias)
+        if (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
+                or not can_pack_linears(self.weight.device, self.weight.dtype):
+            return F.linear(x, self.weight, self.bias)  # training, or moved off fp32 CPU
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none",
                                                   [], "")
 

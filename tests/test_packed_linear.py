@@ -40,6 +40,17 @@ def test_repacks_after_in_place_update_and_trains_through_f_linear():
     torch.testing.assert_close(lin.weight.grad, x.sum(0).expand(8, 16))
 
 
+def test_falls_back_to_f_linear_after_a_dtype_change():
+    lin = PackedLinear(nn.Linear(16, 8, bias=False))
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        lin(x)  # packs the fp32 weight
+        lin.to(torch.bfloat16)
+        got = lin(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, F.linear(x.bfloat16(), lin.weight))
+
+
 def test_pack_linears_keeps_parameters_tying_and_logits():
     model, _ = minillm.load_model("tiny", device="cpu", dtype="float32")
     plain = copy.deepcopy(model)
