@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import minillm  # noqa: E402
-from minillm import roofline  # noqa: E402
+from minillm.course import a2_roofline as roofline  # noqa: E402
 from minillm.device import setup_triton  # noqa: E402
 
 INTERPRETING = setup_triton()

@@ -2,7 +2,8 @@
 
 The GPU machine cannot carry the real model file, so each model here is a preset's exact shape
 with seeded random weights (``load_model(name, random_weights=True)``), and HF's
-``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` gets the same weights (:mod:`minillm.hf_interop`).
+``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` gets the same weights
+(:mod:`minillm.checkpoint.hf_interop`).
 
     python benchmarks/gpu_check.py --out benchmarks/results/gpu_model_check.json
 """
@@ -14,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from minillm.bench import bench_prompt, machine_info, rates, time_hf, time_minillm
-from minillm.hf_interop import to_hf_model
-from minillm.loader import load_model
+from minillm.bench.common import bench_prompt, machine_info, rates, time_hf, time_minillm
+from minillm.checkpoint import load_model
+from minillm.checkpoint.hf_interop import to_hf_model
 
 MODELS = ("smollm2-135m", "qwen3-0.6b", "llama-3.2-1b")
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from minillm import SamplingParams
-from minillm.bench import machine_info
+from minillm.bench.common import machine_info
+from minillm.bench.throughput import run_throughput_bench
+from minillm.checkpoint import load_model
 from minillm.device import resolve_device
 from minillm.engine import EngineConfig, LLMEngine
-from minillm.engine.bench import run_throughput_bench
 from minillm.generate import generate
-from minillm.loader import load_model
 
 
 def backends_agree(device: torch.device, n: int) -> dict:

@@ -1,6 +1,6 @@
 """RMSNorm fused into one pass: y = (x / sqrt(mean(x^2) + eps)).to(dtype) * weight.
 
-Spec: x [..., D], weight [D] -> [..., D], the same rounding order as ``minillm.layers.RMSNorm``
+Spec: x [..., D], weight [D] -> [..., D], the same rounding order as ``minillm.model.RMSNorm``
 (normalise in fp32, cast to x's dtype, then scale). One program per row of D elements.
 """
 from __future__ import annotations

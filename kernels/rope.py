@@ -1,6 +1,6 @@
-"""Rotary position embedding (RoPE), rotate-half convention as in ``minillm.layers.apply_rope``.
+"""Rotary position embedding (RoPE), rotate-half convention as in ``minillm.model.apply_rope``.
 
-Spec: x [B, H, T, hd], cos/sin [T, hd] or [B, T, hd] (from ``minillm.layers.rope_cos_sin``)
+Spec: x [B, H, T, hd], cos/sin [T, hd] or [B, T, hd] (from ``minillm.model.rope_cos_sin``)
 -> x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x[..., hd/2:], x[..., :hd/2]).
 So with x1, x2 the two halves: out1 = x1*cos1 - x2*sin1 and out2 = x2*cos2 + x1*sin2.
 One program handles BLOCK_T positions of one (batch, head); maths in fp32.

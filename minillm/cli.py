@@ -49,7 +49,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def load(args: argparse.Namespace):
     """(model, tokenizer) for --model/--device/--dtype; a model without a tokenizer is an error."""
-    from .loader import load_model
+    from .checkpoint.loader import load_model
 
     model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     if tok is None:
@@ -189,12 +189,17 @@ def peers_of(args: argparse.Namespace) -> list[str]:
 
 def write_report(args: argparse.Namespace, report: dict, table: str, plot) -> int:
     """Print the table, write the JSON and (unless --figure none) the plot."""
-    from . import bench
+    import matplotlib.pyplot as plt
+
+    from .bench.common import write_json
+    from .viz import save
 
     print(table)
-    print(f"wrote {bench.write_json(report, args.out)}")
+    print(f"wrote {write_json(report, args.out)}")
     if args.figure != "none":
-        print(f"wrote {bench.save_figure(plot(report), args.figure)}")
+        fig = plot(report)
+        print(f"wrote {save(fig, args.figure, dpi=110)}")
+        plt.close(fig)
     return 0
 
 
@@ -214,13 +219,14 @@ def add_bench_decode(sub) -> None:
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
-    from . import bench
+    from .bench.decode import decode_table, run_decode_bench
+    from .viz.bench import plot_decode
 
-    report = bench.run_decode_bench(args.model, dtypes=args.dtypes, prompt_len=args.prompt_len,
+    report = run_decode_bench(args.model, dtypes=args.dtypes, prompt_len=args.prompt_len,
                                     new_tokens=args.new_tokens, repeats=args.repeats,
                                     device=args.device, threads=args.threads,
                                     peers=peers_of(args), log=log_to_stderr)
-    return write_report(args, report, bench.format_table(report), bench.plot_decode)
+    return write_report(args, report, decode_table(report), plot_decode)
 
 
 def add_bench_throughput(sub) -> None:
@@ -236,16 +242,17 @@ def add_bench_throughput(sub) -> None:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from .engine import bench
+    from .bench.throughput import run_throughput_bench, throughput_table
+    from .viz.bench import plot_throughput
 
-    report = bench.run_throughput_bench(args.model, args.num_requests, args.dtype, args.device,
+    report = run_throughput_bench(args.model, args.num_requests, args.dtype, args.device,
                                         args.hf_batch, peers_of(args), threads=args.threads,
                                         say=log_to_stderr, max_num_seqs=args.max_num_seqs)
-    return write_report(args, report, bench.format_table(report), bench.plot_throughput)
+    return write_report(args, report, throughput_table(report), plot_throughput)
 
 
 def add_bench_quant(sub) -> None:
-    from .quant.bench import DEFAULT_SPECS
+    from .bench.quant import DEFAULT_SPECS
 
     p = bench_parser(sub, "quant", "perplexity and batch-1 decode of every quantization format "
                                    "against bf16")
@@ -261,14 +268,14 @@ def add_bench_quant(sub) -> None:
 
 
 def cmd_bench_quant(args: argparse.Namespace) -> int:
-    from .quant import bench as qbench
-    from .quant.plots import plot_quant_bench
+    from .bench import quant as qbench
+    from .viz.a1 import plot_quant_bench
 
     report = qbench.run_quant_bench(args.model, specs=args.specs, dtype=args.dtype,
                                     eval_tokens=args.eval_tokens, prompt_len=args.prompt_len,
                                     new_tokens=args.new_tokens, repeats=args.repeats,
                                     device=args.device, threads=args.threads, log=log_to_stderr)
-    return write_report(args, report, qbench.format_table(report), plot_quant_bench)
+    return write_report(args, report, qbench.quant_table(report), plot_quant_bench)
 
 
 #: ``bench`` subcommands.

@@ -16,7 +16,7 @@ import torch
 
 from .cache import Cache, H2OCache, KVCache, SinkCache, SlidingWindowCache
 from .config import ModelConfig
-from .model import Transformer
+from .model.transformer import Transformer
 
 #: Reference-manual topics read in this order (missing ones are skipped, repeats dropped).
 PROSE_TOPICS = ("execmodel", "types", "import", "compound", "exceptions", "naming", "calls")

@@ -11,7 +11,7 @@ import torch
 
 from .cache import Cache, KVCache
 from .config import SamplingParams
-from .model import Transformer
+from .model.transformer import Transformer
 from .sampling import make_generator, sample
 
 

@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def gguf_path():
-    from minillm.weights import find_smollm2_gguf
+    from minillm.checkpoint import find_smollm2_gguf
 
     return find_smollm2_gguf()
 

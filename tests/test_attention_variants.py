@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm.attention_variants import (
+from minillm.course.ch01_variants import (
     MultiHeadAttention,
     MultiHeadLatentAttention,
     kv_cache_bytes_per_token,

@@ -79,7 +79,7 @@ def test_bad_arguments_exit_2_with_one_line(flag, value, name):
 
 
 def test_stream_text_handles_multibyte_characters():
-    tok = minillm.loader.smollm2_tokenizer()
+    tok = minillm.checkpoint.loader.smollm2_tokenizer()
     text = "naïve café — 日本語 🙂 done"
     ids = tok.encode(text)
     pieces = list(stream_text(tok, ids))
@@ -88,7 +88,7 @@ def test_stream_text_handles_multibyte_characters():
 
 
 def test_stream_text_stops_at_eos():
-    tok = minillm.loader.smollm2_tokenizer()
+    tok = minillm.checkpoint.loader.smollm2_tokenizer()
     ids = tok.encode("hello") + [tok.eos_token_id] + tok.encode(" world")
     assert "".join(stream_text(tok, ids)) == "hello"
 

@@ -77,7 +77,7 @@ def poison_swapped_blocks(monkeypatch):
     """After a swap-out copy, fill the device blocks with a huge value, so that a missed swap-in
     (or a block read after it was given away) shows in the outputs instead of reading stale K/V.
     (Not NaN: padded key slots are masked to probability 0, and 0 x NaN is NaN.)"""
-    from minillm.cache.paged import PagedKVPool
+    from minillm.cache.pool import PagedKVPool
 
     original = PagedKVPool.swap_out
 
@@ -317,7 +317,8 @@ def test_llm_with_quantized_weights_equals_the_quantized_model_alone():
 
 def test_throughput_bench_counts_every_requested_token(tmp_path):
     """The benchmark's plumbing on the tiny model with HF as the peer (same weights)."""
-    from minillm.engine.bench import format_table, plot_throughput, run_throughput_bench
+    from minillm.bench.throughput import run_throughput_bench, throughput_table
+    from minillm.viz.bench import plot_throughput
 
     report = run_throughput_bench("tiny", num_requests=4, device="cpu", hf_batch=2,
                                   peers=("hf",), prompt_range=(4, 12), output_range=(3, 6),
@@ -328,5 +329,5 @@ def test_throughput_bench_counts_every_requested_token(tmp_path):
     assert rate_times_time == pytest.approx(report["output_tokens"])
     assert 3 * 4 <= report["output_tokens"] <= 6 * 4
     assert set(report["ratios"]) == {"minillm/hf"} and report["minillm_stats"]["steps"] > 0
-    assert "minillm/hf" in format_table(report)
+    assert "minillm/hf" in throughput_table(report)
     assert plot_throughput(report).axes

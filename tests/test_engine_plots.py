@@ -11,11 +11,11 @@ matplotlib.use("Agg")
 
 import minillm  # noqa: E402
 from minillm import SamplingParams  # noqa: E402
+from minillm.bench.throughput import make_workload  # noqa: E402
 from minillm.cache.block_manager import blocks_for  # noqa: E402
+from minillm.course import ch04_workload as W  # noqa: E402
 from minillm.engine import EngineConfig, LLMEngine  # noqa: E402
-from minillm.engine import plots as P  # noqa: E402
-from minillm.engine import workload as W  # noqa: E402
-from minillm.engine.bench import make_workload  # noqa: E402
+from minillm.viz import ch04 as P  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_recompute_counted(tiny):
 
 
 def test_plots_and_widget_build(tiny):
-    from minillm import widgets
+    from minillm.course import widgets
 
     _, tok = tiny
     work = make_workload(tok, 3, (10, 20), (3, 5), seed=0)
@@ -91,10 +91,11 @@ def test_plots_and_widget_build(tiny):
                                        SamplingParams(max_tokens=4)], snapshots=True)
     snaps = run.recorder.snapshots
     assert any(r > 1 for r in snaps[0].ref) and snaps[0].blocks_unshared > snaps[0].blocks_used
-    figs = [P.batch_timeline({"a": run, "b": run}, slots=4), P.padding_plot(run.recorder.plans),
-            P.kv_usage_plot({"a": run}), P.memory_map(snaps[0]), P.memory_timeline(snaps),
-            P.load_curves([1, 2], {"a": [run, run]}), P.sharing_plot({"x": (3, 5)}),
-            P.preemption_plot([dict(block_size=8, mode=m, moved_tokens=1, recomputed=2,
+    figs = [P.plot_batch_timeline({"a": run, "b": run}, slots=4),
+            P.plot_padding(run.recorder.plans),
+            P.plot_kv_usage({"a": run}), P.plot_memory_map(snaps[0]), P.plot_memory_timeline(snaps),
+            P.plot_load_curves([1, 2], {"a": [run, run]}), P.plot_sharing({"x": (3, 5)}),
+            P.plot_preemption([dict(block_size=8, mode=m, moved_tokens=1, recomputed=2,
                                     extra_seconds=0.1, seconds=1) for m in ("swap", "recompute")])]
     assert all(isinstance(f, matplotlib.figure.Figure) for f in figs)
     assert "block table" in widgets.block_tables_text(snaps[0])

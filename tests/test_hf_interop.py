@@ -5,11 +5,11 @@ Models are built with ``random_model`` directly, so no GGUF file or tokenizer is
 import pytest
 import torch
 
+from minillm.checkpoint import random_model
 from minillm.config import PRESETS
-from minillm.loader import random_model
 
 pytest.importorskip("transformers")
-from minillm.hf_interop import to_hf_model, to_hf_state_dict  # noqa: E402
+from minillm.checkpoint.hf_interop import to_hf_model, to_hf_state_dict  # noqa: E402
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

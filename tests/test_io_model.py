@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm import io_model
 from minillm.attention import reference_attention
-from minillm.layers import rope_cos_sin
+from minillm.course import ch05_io_model as io_model
+from minillm.model import rope_cos_sin
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "kernels_gpu.json"
 

@@ -35,8 +35,8 @@ from minillm.kernels.softmax import softmax  # noqa: E402
 from minillm.kernels.vector_add import vector_add  # noqa: E402
 
 from minillm.attention import reference_attention  # noqa: E402
-from minillm.layers import RMSNorm, rope_cos_sin  # noqa: E402
-from minillm.layers import apply_rope as layers_apply_rope  # noqa: E402
+from minillm.model import RMSNorm, rope_cos_sin  # noqa: E402
+from minillm.model import apply_rope as layers_apply_rope  # noqa: E402
 
 if torch.cuda.is_available():  # these tests are about the interpreter; GPU runs use benchmarks/
     pytest.skip("kernel tests run in the Triton interpreter (CPU only)", allow_module_level=True)

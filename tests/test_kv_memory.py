@@ -2,7 +2,7 @@
 import pytest
 
 from minillm.config import PRESETS
-from minillm.kv_memory import DEEPSEEK_V2, kv_cache_bytes, kv_memory_table
+from minillm.course.ch02_kv_memory import DEEPSEEK_V2, kv_cache_bytes, kv_memory_table
 
 
 def test_llama3_8b_by_hand():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from minillm.cache import Cache
-from minillm.kv_memory import MLASpec
+from minillm.course.ch02_kv_memory import MLASpec
 from minillm.labs import ch02
 
 # --- reference solutions -------------------------------------------------------------------

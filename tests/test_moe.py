@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm.moe import MoEFeedForward
+from minillm.model import MoEFeedForward
 
 D, FFN, E = 16, 32, 6
 

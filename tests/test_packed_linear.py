@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import minillm
-from minillm.layers import PackedLinear, can_pack_linears, pack_linears
+from minillm.model.packed import PackedLinear, can_pack_linears, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack_linears(torch.device("cpu"), torch.float32),
                                 reason="this PyTorch has no oneDNN linear")

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from minillm import parallel
+from minillm.checkpoint import random_model
 from minillm.config import PRESETS
-from minillm.loader import random_model
 from minillm.parallel import comm
 from minillm.parallel.launch import run
 from minillm.parallel.pipeline import bubble_formula, measured_bubble, stage_layers

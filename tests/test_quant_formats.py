@@ -165,7 +165,7 @@ def test_the_models_own_q4_1_tensor_round_trips(gguf_path):
     """Our encoder re-encodes a real Q4_1 tensor of the model file to the same values."""
     from gguf import GGUFReader
 
-    from minillm.weights import dequantize
+    from minillm.checkpoint.gguf import dequantize
 
     t = next(t for t in GGUFReader(str(gguf_path)).tensors if t.tensor_type.name == "Q4_1")
     shape = tuple(int(s) for s in reversed(t.shape))

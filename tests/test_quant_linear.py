@@ -12,6 +12,7 @@ from minillm.kernels.dequant_matmul import (  # noqa: E402
 )
 
 import minillm  # noqa: E402
+from minillm.bench.quant import parse_spec  # noqa: E402
 from minillm.quant import (  # noqa: E402
     METHODS,
     Int4Linear,
@@ -24,7 +25,6 @@ from minillm.quant import (  # noqa: E402
     quantize_int4,
     quantize_model,
 )
-from minillm.quant.bench import parse_spec  # noqa: E402
 
 
 def randn(*shape, seed=0, scale=1.0):
@@ -152,8 +152,8 @@ def test_hqq_lowers_the_lp_weight_error():
 
 @pytest.fixture(scope="module")
 def tiny_fp():
+    from minillm.checkpoint import random_model
     from minillm.config import PRESETS
-    from minillm.loader import random_model
 
     return random_model(PRESETS["tiny"].with_(vocab_size=512)).eval().requires_grad_(False)
 

@@ -1,4 +1,5 @@
-"""minillm.roofline: the roofline model on hand cases, the measurements on the CPU, the spec table,
+"""minillm.course.a2_roofline: the roofline model on hand cases, the measurements on the CPU, the
+spec table,
 the occupancy calculator, and the divergence teaching kernel in Triton's interpreter."""
 from minillm.device import setup_triton
 
@@ -12,8 +13,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from minillm import roofline  # noqa: E402
-from minillm.roofline import (  # noqa: E402
+from minillm.course import a2_roofline as roofline  # noqa: E402
+from minillm.course.a2_roofline import (  # noqa: E402
     GPU_SPECS,
     HOPPER_SM,
     KernelPoint,

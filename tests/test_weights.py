@@ -7,7 +7,7 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-from minillm.weights import dequantize, unpermute_qk
+from minillm.checkpoint.gguf import dequantize, unpermute_qk
 
 
 @pytest.fixture(scope="module")

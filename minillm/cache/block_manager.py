@@ -1,6 +1,6 @@
 """Which physical KV block holds which tokens (PagedAttention, Kwon et al. 2023). Pure Python.
 
-The device pool (:mod:`minillm.cache.paged`) is an array of ``num_blocks`` blocks of
+The device pool (:mod:`minillm.cache.pool`) is an array of ``num_blocks`` blocks of
 ``block_size`` token slots. The block manager only does the bookkeeping:
 
 - a *block table* per sequence: logical block i (positions i*block_size ...) -> physical block id;

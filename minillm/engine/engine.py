@@ -14,12 +14,12 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..cache.block_manager import BlockManager, blocks_for
-from ..cache.paged import block_bytes
+from ..cache.pool import block_bytes
+from ..checkpoint.tokenizer import Tokenizer
 from ..config import SamplingParams
 from ..generate import check_prompt
-from ..model import Transformer
+from ..model.transformer import Transformer
 from ..sampling import make_generator, sample
-from ..tokenizer import Tokenizer
 from .outputs import CompletionOutput, EngineStats, RequestOutput, StepRecord
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
@@ -36,7 +36,7 @@ class EngineConfig(SchedulerConfig):
     num_kv_blocks None sizes the pool from ``kv_cache_memory`` bytes (None: 90% of free GPU
     memory on CUDA, 2 GiB on the CPU). ``swap_space`` GiB of CPU memory hold swapped blocks.
     ``attention_backend`` None is "triton" on CUDA, "torch" elsewhere. ``pack_linears`` None
-    swaps the model's linears for oneDNN-packed ones (:class:`minillm.layers.PackedLinear`, same
+    swaps the model's linears for oneDNN-packed ones (:class:`minillm.model.PackedLinear`, same
     parameters, in place) where that applies: float32 on the CPU.
     """
 

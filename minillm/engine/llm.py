@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from ..checkpoint.loader import load_model
 from ..config import SamplingParams
-from ..loader import load_model
 from .engine import EngineConfig, LLMEngine
 from .outputs import EngineStats, RequestOutput
 

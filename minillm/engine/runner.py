@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from ..attention.paged import build_metadata, get_paged_backend
-from ..cache.paged import PagedBatch, PagedKVPool
-from ..layers import can_pack_linears, pack_linears
-from ..model import Transformer
+from ..cache.pool import PagedBatch, PagedKVPool
+from ..model.packed import can_pack_linears, pack_linears
+from ..model.transformer import Transformer
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 

@@ -1,6 +1,7 @@
 """Checkers for the exercises of Appendix B (GPU hardware), notebook ``A2_gpu_hardware``.
 
-Each ``check_*`` takes the student's function, compares it with :mod:`minillm.roofline` on a
+Each ``check_*`` takes the student's function, compares it with :mod:`minillm.course.a2_roofline`
+on a
 few cases, prints a one-line verdict and returns a :class:`~minillm.labs.common.Result`
 (``passed`` is None while the exercise still raises NotImplementedError).
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from ..roofline import GPU_SPECS, HOPPER_SM, matmul_intensity, occupancy, ridge_point
+from ..course.a2_roofline import GPU_SPECS, HOPPER_SM, matmul_intensity, occupancy, ridge_point
 from .common import Result, check
 
 
@@ -17,7 +18,8 @@ def check_blocks_per_sm(fn: Callable[[int, int, int], int]) -> Result:
     """``fn(threads_per_block, registers_per_thread, smem_per_block)`` -> how many blocks fit on
     one H100/H200 SM at once (compute capability 9.0 limits: 64 warps, 32 blocks, 65,536
     registers handed out per warp in chunks of 256, 228 KB of shared memory with 1 KB reserved
-    per block and 128-byte granularity). Compared with :func:`minillm.roofline.occupancy`."""
+    per block and 128-byte granularity). Compared with
+    :func:`minillm.course.a2_roofline.occupancy`."""
     cases = [(256, 32, 0), (128, 128, 0), (1024, 64, 0), (32, 16, 0), (96, 40, 0),
              (128, 72, 0), (256, 255, 0), (64, 32, 48 * 1024), (128, 32, 100 * 1024),
              (128, 168, 16 * 1024), (512, 24, 4000), (33, 1, 0), (1, 0, 227 * 1024),

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from ..attention import reference_attention
-from ..layers import RMSNorm, apply_rope, rope_cos_sin
+from ..model.layers import RMSNorm, apply_rope, rope_cos_sin
 from ..sampling import apply_top_p
 from .common import Result, check
 
@@ -33,7 +33,7 @@ def _compare(got, want: torch.Tensor, case: str, atol: float, rtol: float) -> No
 def check_rmsnorm(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> Result:
     """``fn(x, weight, eps)`` -> RMSNorm of x [..., D] over the last axis, times weight [D].
 
-    Statistics in float32, result in x's dtype (as :class:`minillm.layers.RMSNorm`). Inputs:
+    Statistics in float32, result in x's dtype (as :class:`minillm.model.RMSNorm`). Inputs:
     float32, float64, float16 and bfloat16; tiny inputs where eps matters, and an all-zero row
     that must come out as zeros, not NaN.
     """
@@ -67,7 +67,7 @@ def check_rope(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) 
 
     positions [T] (int64) are the tokens' positions; the pairs rotated together are
     (i, i + head_dim/2), by the angle position * theta^(-2i/head_dim), as
-    :func:`minillm.layers.apply_rope` does (the Llama / Hugging Face layout).
+    :func:`minillm.model.apply_rope` does (the Llama / Hugging Face layout).
     """
     gen = torch.Generator().manual_seed(2)
     cases = [((1, 1, 5, 8), 0, 10000.0), ((2, 3, 7, 16), 0, 100000.0),

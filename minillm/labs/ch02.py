@@ -11,17 +11,19 @@ from collections.abc import Callable
 import torch
 
 from ..cache import Cache, KVCache, SinkCache, SlidingWindowCache
+from ..checkpoint.loader import random_model
 from ..config import PRESETS
-from ..kv_memory import TABLE_MODELS, MLASpec, kv_cache_bytes
-from ..loader import random_model
+from ..course.ch02_kv_memory import TABLE_MODELS, MLASpec, kv_cache_bytes
 from .common import Result, check
 
 
 def check_kv_bytes(fn: Callable[..., int]) -> Result:
     """``fn(cfg, tokens, batch, bytes_per_elem)`` -> KV cache bytes, for a GQA/MQA/MHA
-    :class:`~minillm.config.ModelConfig` and for an MLA :class:`~minillm.kv_memory.MLASpec`.
+    :class:`~minillm.config.ModelConfig` and for an MLA
+    :class:`~minillm.course.ch02_kv_memory.MLASpec`.
 
-    Compared with :func:`minillm.kv_memory.kv_cache_bytes` on the calculator's models and a
+    Compared with :func:`minillm.course.ch02_kv_memory.kv_cache_bytes` on the calculator's models
+    and a
     few made-up shapes.
     """
     made_up = ((3, 1, 4, 8), (5, 2, 1, 32))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import PRESETS
-from ..layers import SwiGLU
+from ..model.layers import SwiGLU
 from ..parallel.pipeline import bubble_formula
 from ..parallel.tensor import check_tp, kv_heads_of_rank
 from .common import Result, check

@@ -1,7 +1,8 @@
 """Checkers for the exercises of chapter 05 (I/O-aware kernels).
 
 Each ``check_*`` takes the student's function, compares it with a float64 computation or with
-:mod:`minillm.io_model` on a few cases (edge cases included), prints a one-line verdict and
+:mod:`minillm.course.ch05_io_model` on a few cases (edge cases included), prints a one-line verdict
+and
 returns a :class:`~minillm.labs.common.Result` (``passed`` is None while the exercise still
 raises NotImplementedError).
 """
@@ -11,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import io_model
+from ..course import ch05_io_model as io_model
 from .common import Result, check
 
 
@@ -114,7 +115,8 @@ def check_merge(fn: Callable) -> Result:
 def check_fused_softmax_bytes(fn: Callable[..., int]) -> Result:
     """``fn(n, d, heads=1, batch=1, dtype_bytes=2)`` -> HBM bytes of attention done in two
     kernels: kernel 1 computes S = Q K^T *and* its softmax on chip, writing only P; kernel 2
-    reads P and V and writes O. Compared with the naive count of :mod:`minillm.io_model` minus
+    reads P and V and writes O. Compared with the naive count of
+    :mod:`minillm.course.ch05_io_model` minus
     the traffic of S."""
     cases = ((3, 2, 1, 1, 2), (1024, 64, 1, 1, 2), (4096, 128, 32, 4, 2), (17, 16, 3, 2, 4))
 

@@ -10,8 +10,8 @@ import os
 
 import torch
 
+from ..checkpoint.loader import random_model
 from ..config import PRESETS
-from ..loader import random_model
 from .api import tp_logits
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model import Transformer
+from ..model.transformer import Transformer
 from . import workers
 from .expert import expert_range
 from .launch import check_launch, run

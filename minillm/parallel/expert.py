@@ -10,7 +10,7 @@ Rank r keeps experts [r E/P, (r+1) E/P) and a copy of the router. Two ways to co
   has *all* tokens): each rank runs its experts on the slots routed to them and one all-reduce
   sums the partial outputs, the same place a TP FFN would all-reduce.
 
-Either way the output equals the single-process :class:`~minillm.moe.MoEFeedForward` and every
+Either way the output equals the single-process :class:`~minillm.model.moe.MoEFeedForward` and every
 slot (tokens x top_k) is computed exactly once. A rank whose experts got more slots computes
 longer; the others wait for it in the return collective: the load-imbalance stall, which
 ``last_stats`` records (seconds computing, seconds waiting, slots received).
@@ -23,8 +23,8 @@ import time
 import torch
 from torch import nn
 
-from ..model import Transformer
-from ..moe import MoEFeedForward
+from ..model.moe import MoEFeedForward
+from ..model.transformer import Transformer
 from . import comm
 
 COMBINES = ("all_to_all", "all_reduce")

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..layers import rope_cos_sin
-from ..model import Transformer, _heads_axis
+from ..model.layers import rope_cos_sin
+from ..model.transformer import Transformer, _heads_axis
 from . import comm
 
 

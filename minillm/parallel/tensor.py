@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..model import Transformer
+from ..model.transformer import Transformer
 from . import comm
 
 

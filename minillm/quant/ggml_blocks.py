@@ -1,6 +1,6 @@
 """GGUF block formats encoded by our code: Q8_0, Q4_1 (our model's own formats) and Q4_K.
 
-Decoding Q8_0 and Q4_1 lives in :mod:`minillm.weights` (that is how the model file is read);
+Decoding Q8_0 and Q4_1 lives in :mod:`minillm.checkpoint.gguf` (that is how the model file is read);
 this module adds the encoders and the k-quant. Layouts (ggml's ``ggml-common.h``):
 
 * **Q8_0**, 32 weights, 34 bytes: fp16 d, 32 x int8 q; w = d * q, d = max|w| / 127.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..weights import dequantize_q4_1, dequantize_q8_0
+from ..checkpoint.gguf import dequantize_q4_1, dequantize_q8_0
 
 QK = 32
 QK_K = 256

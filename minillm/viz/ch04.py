@@ -1,10 +1,11 @@
 """Plots of engine runs (chapter 04). Each function returns a matplotlib Figure; save it with
-:func:`minillm.viz.save`. Inputs are :class:`~minillm.engine.workload.RunResult` s and
-:class:`~minillm.engine.workload.MemorySnapshot` s recorded by
-:func:`~minillm.engine.workload.serve`.
+:func:`minillm.viz.save`. Inputs are :class:`~minillm.course.ch04_workload.RunResult` s and
+:class:`~minillm.course.ch04_workload.MemorySnapshot` s recorded by
+:func:`~minillm.course.ch04_workload.serve`.
 
 Time axes are the *engine clock*: the steps' measured durations laid end to end (idle gaps
-between arrivals skipped), the clock :func:`~minillm.engine.workload.serve` reports latencies on.
+between arrivals skipped), the clock :func:`~minillm.course.ch04_workload.serve` reports latencies
+on.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Rectangle
 
-from .workload import MemorySnapshot, RunResult
+from ..course.ch04_workload import MemorySnapshot, RunResult
 
 PREFILL, DECODE = "tab:orange", "tab:blue"
 
@@ -30,7 +31,7 @@ def step_times(run: RunResult) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([[0.0], np.cumsum(dur)[:-1]]), dur
 
 
-def batch_timeline(runs: dict[str, RunResult], slots: int | None = None) -> plt.Figure:
+def plot_batch_timeline(runs: dict[str, RunResult], slots: int | None = None) -> plt.Figure:
     """Gantt chart per run: a row per request, a bar per step it took part in (orange: its
     prompt was computed in that step, blue: one decode token); grey: waiting since arrival.
     The bottom strip counts the requests in each step (``slots``: the batch limit)."""
@@ -70,7 +71,7 @@ def batch_timeline(runs: dict[str, RunResult], slots: int | None = None) -> plt.
     return fig
 
 
-def padding_plot(plans, title: str = "") -> plt.Figure:
+def plot_padding(plans, title: str = "") -> plt.Figure:
     """Per step: tokens in the flat batch vs slots of a padded [requests x longest] batch."""
     flat = [sum(p.new_tokens.values()) for p in plans]
     padded = [len(p.new_tokens) * max(p.new_tokens.values()) for p in plans]
@@ -87,7 +88,7 @@ def padding_plot(plans, title: str = "") -> plt.Figure:
     return fig
 
 
-def kv_usage_plot(runs: dict[str, RunResult]) -> plt.Figure:
+def plot_kv_usage(runs: dict[str, RunResult]) -> plt.Figure:
     """Per run, the KV pool over the engine clock: slots allocated vs slots holding K/V; and
     the requests running per step."""
     fig, axes = plt.subplots(1, len(runs) + 1, figsize=(4 * (len(runs) + 1), 3))
@@ -113,7 +114,7 @@ def kv_usage_plot(runs: dict[str, RunResult]) -> plt.Figure:
     return fig
 
 
-def memory_map(snap: MemorySnapshot, cols: int = 16, ax=None, title: str | None = None):
+def plot_memory_map(snap: MemorySnapshot, cols: int = 16, ax=None, title: str | None = None):
     """The physical blocks after one step: colour = owning request, the shaded part = slots
     holding K/V, ``xN`` = reference count of a block shared by N sequences (hatched)."""
     rows = -(-snap.num_blocks // cols)
@@ -142,7 +143,7 @@ def memory_map(snap: MemorySnapshot, cols: int = 16, ax=None, title: str | None 
     return fig
 
 
-def memory_timeline(snaps: list[MemorySnapshot], title: str = "") -> plt.Figure:
+def plot_memory_timeline(snaps: list[MemorySnapshot], title: str = "") -> plt.Figure:
     """Which request owns each physical block (rows) after each step (columns); black dots:
     blocks shared by several sequences."""
     nb = snaps[0].num_blocks
@@ -168,7 +169,7 @@ def memory_timeline(snaps: list[MemorySnapshot], title: str = "") -> plt.Figure:
     return fig
 
 
-def load_curves(rates, runs: dict[str, list[RunResult]]) -> plt.Figure:
+def plot_load_curves(rates, runs: dict[str, list[RunResult]]) -> plt.Figure:
     """Throughput and latency against the offered load (requests/s)."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
     for k, (name, rs) in enumerate(runs.items()):
@@ -191,7 +192,7 @@ def load_curves(rates, runs: dict[str, list[RunResult]]) -> plt.Figure:
     return fig
 
 
-def preemption_plot(rows: list[dict]) -> plt.Figure:
+def plot_preemption(rows: list[dict]) -> plt.Figure:
     """Swap vs recompute by block size. rows: dicts with block_size, mode ("swap" or
     "recompute"), moved_tokens (swapped out + in, in token slots), recomputed (tokens),
     extra_seconds (copy time or recompute time) and seconds (the run)."""
@@ -214,7 +215,7 @@ def preemption_plot(rows: list[dict]) -> plt.Figure:
     return fig
 
 
-def sharing_plot(cases: dict[str, tuple[int, int]]) -> plt.Figure:
+def plot_sharing(cases: dict[str, tuple[int, int]]) -> plt.Figure:
     """Peak KV blocks per case: (with sharing, without sharing)."""
     names = list(cases)
     x = np.arange(len(names))
@@ -231,5 +232,6 @@ def sharing_plot(cases: dict[str, tuple[int, int]]) -> plt.Figure:
     return fig
 
 
-__all__ = ["batch_timeline", "kv_usage_plot", "load_curves", "memory_map", "memory_timeline",
-           "padding_plot", "preemption_plot", "sharing_plot", "step_times"]
+__all__ = ["plot_batch_timeline", "plot_kv_usage", "plot_load_curves", "plot_memory_map",
+           "plot_memory_timeline", "plot_padding", "plot_preemption", "plot_sharing",
+           "step_times"]

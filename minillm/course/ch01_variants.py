@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .layers import apply_rope, rope_cos_sin
+from ..model.layers import apply_rope, rope_cos_sin
 
 ATTENTION_KINDS = ("mha", "mqa", "gqa", "mla")
 

@@ -2,7 +2,7 @@
 
 - :func:`sharegpt_like_workload`: seeded lognormal prompt and output lengths (a *synthetic*
   stand-in for ShareGPT's long-tailed conversation lengths), prompts cut from real prose;
-  :func:`minillm.engine.bench.make_workload` is the uniform-length one.
+  :func:`minillm.bench.throughput.make_workload` is the uniform-length one.
 - :func:`poisson_arrivals`: arrival times of a Poisson process.
 - :class:`Recorder`: hooks an :class:`~minillm.engine.LLMEngine` to keep, per step, what the
   trace does not: each scheduled request's new tokens, block moves (swap, copy-on-write) and
@@ -21,11 +21,11 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from ..bench.throughput import Workload
 from ..config import SamplingParams
+from ..engine.engine import LLMEngine
+from ..engine.outputs import StepRecord
 from ..evaluate import sample_ids
-from .bench import Workload
-from .engine import LLMEngine
-from .outputs import StepRecord
 
 
 # ---- workloads -------------------------------------------------------------------------------

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import torch
 
-from .config import PRESETS, ModelConfig, get_preset
-from .device import resolve_device, resolve_dtype
-from .model import Transformer
+from ..config import PRESETS, ModelConfig, get_preset
+from ..device import resolve_device, resolve_dtype
+from ..model.transformer import Transformer
+from .gguf import find_smollm2_gguf, gguf_metadata, load_gguf
+from .safetensors import load_hf_checkpoint
 from .tokenizer import Tokenizer
-from .weights import find_smollm2_gguf, gguf_metadata, load_gguf, load_hf_checkpoint
 
 REAL_MODEL = "smollm2-135m"
 
@@ -65,7 +66,7 @@ def load_model(name_or_path: str = REAL_MODEL, device: str | torch.device | None
     "hqq", "q8_0", "q4_1", "q4_k") swaps the linears for packed quantized ones (vLLM's name).
     """
     if quantization is not None:
-        from .quant import METHODS
+        from ..quant import METHODS
 
         if quantization not in METHODS:
             raise ValueError(f"quantization must be None or one of {list(METHODS)}, "
@@ -94,7 +95,7 @@ def load_model(name_or_path: str = REAL_MODEL, device: str | torch.device | None
         tok = smollm2_tokenizer() if cfg.vocab_size == PRESETS[REAL_MODEL].vocab_size else None
     model = model.to(device=dev, dtype=dt).eval().requires_grad_(False)
     if quantization is not None:
-        from .quant import quantize_model
+        from ..quant import quantize_model
 
         model = quantize_model(model, quantization, tokenizer=tok)
     return model, tok

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .attention_variants import kv_cache_bytes_per_token
-from .config import PRESETS, ModelConfig
+from ..config import PRESETS, ModelConfig
+from .ch01_variants import kv_cache_bytes_per_token
 
 
 @dataclass(frozen=True)

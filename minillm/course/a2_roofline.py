@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .device import resolve_device, sync
+from ..device import resolve_device, sync
 
 
 # ----------------------------------------------------------------------------- the model
@@ -288,7 +288,7 @@ def measure_matmul_rate(device: str | torch.device | None = None,
     run float32 products on its tensor cores in TF32 (10-bit mantissa inputs); by default
     float32 products use the ordinary fp32 units, as PyTorch does out of the box.
     """
-    from .device import DTYPES
+    from ..device import DTYPES
 
     device = resolve_device(device)
     if dtype is None:

@@ -17,25 +17,17 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from ..bench import (
-    dtype_name,
-    llama_cpp_available,
-    load_hf_peer,
-    machine_info,
-    save_figure,
-    write_json,
-)
+from ..checkpoint.gguf import find_smollm2_gguf
+from ..checkpoint.loader import REAL_MODEL, load_model
 from ..config import SamplingParams
-from ..device import resolve_device, resolve_dtype, sync
+from ..device import resolve_device, resolve_dtype
+from ..engine import EngineConfig, LLMEngine
 from ..evaluate import sample_ids
-from ..loader import REAL_MODEL, load_model
-from ..weights import find_smollm2_gguf
-from .engine import EngineConfig, LLMEngine
+from .common import dtype_name, format_table, llama_cpp_available, load_hf_peer, machine_info, timed
 
 
 @dataclass(frozen=True)
@@ -79,12 +71,10 @@ class ThroughputResult:
     note: str = ""
 
 
-def timed(engine: str, dtype: str, note: str, work: Workload, device, fn) -> ThroughputResult:
+def timed_run(engine: str, dtype: str, note: str, work: Workload, device, fn
+              ) -> ThroughputResult:
     """Run ``fn()`` once and time it (wall and process CPU time)."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    sync(device)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    wall, cpu = timed(fn, device)
     return ThroughputResult(engine, dtype, wall, cpu, work.output_tokens / wall, note)
 
 
@@ -143,7 +133,8 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
                          **engine_options) -> dict:
     """Run the workload through minillm and the peers; returns the report (JSON-ready).
     ``random_weights``: the model's shape with seeded random weights (GPU machines without the
-    model file); HF then gets the same weights through :func:`minillm.hf_interop.to_hf_model`."""
+    model file); HF then gets the same weights through
+    :func:`minillm.checkpoint.hf_interop.to_hf_model`."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if threads:
@@ -154,24 +145,24 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
     say(f"{num_requests} requests, {sum(map(len, work.prompts))} prompt tokens, "
         f"{work.output_tokens} output tokens; {dtype_name(dt)} on {dev}, {threads} threads")
     stats: dict = {}
-    results = [timed("minillm", dtype_name(dt), "continuous batching, paged KV", work, dev,
+    results = [timed_run("minillm", dtype_name(dt), "continuous batching, paged KV", work, dev,
                      lambda: stats.update(run_minillm(model, tok, work, **engine_options)))]
     say(f"minillm: {results[-1]} {stats}")
     if "hf" in peers:
         if random_weights:
-            from ..hf_interop import to_hf_model
+            from ..checkpoint.hf_interop import to_hf_model
 
             hf = to_hf_model(model)
         else:
             hf = load_hf_peer(model_name, dev).to(dt)
-        results.append(timed("hf", dtype_name(dt), f"generate, static padded batches of "
+        results.append(timed_run("hf", dtype_name(dt), f"generate, static padded batches of "
                              f"{hf_batch}", work, dev,
                              lambda: run_hf(hf, work, hf_batch, model.cfg.eos_token_id)))
         say(f"hf: {results[-1]}")
         del hf
     if "llama.cpp" in peers and model_name == REAL_MODEL and not random_weights \
             and llama_cpp_available() and dev.type == "cpu":
-        results.append(timed("llama.cpp", "Q4_1", "llama-cpp-python, one request after "
+        results.append(timed_run("llama.cpp", "Q4_1", "llama-cpp-python, one request after "
                              "another", work, dev, lambda: run_llama_cpp(work, threads)))
         say(f"llama.cpp: {results[-1]}")
     base = results[0].output_tok_s
@@ -187,32 +178,15 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
             "load_average": list(os.getloadavg())}
 
 
-def format_table(report: dict) -> str:
-    lines = [f"{'engine':<10} {'dtype':<9} {'wall s':>8} {'CPU s':>8} {'output tok/s':>13}  note",
-             "-" * 78]
-    for r in report["results"]:
-        lines.append(f"{r['engine']:<10} {r['dtype']:<9} {r['seconds']:>8.1f} "
-                     f"{r['cpu_seconds']:>8.1f} {r['output_tok_s']:>13.1f}  {r['note']}")
+def throughput_table(report: dict) -> str:
+    """The results as a fixed-width text table, then minillm's ratio to each peer."""
+    lines = [format_table([("engine", "<10"), ("dtype", "<9"), ("wall s", ">8.1f"),
+                           ("CPU s", ">8.1f"), ("output tok/s", ">13.1f"), ("note", "")],
+                          [(r["engine"], r["dtype"], r["seconds"], r["cpu_seconds"],
+                            r["output_tok_s"], r["note"]) for r in report["results"]])]
     lines += [f"{k}: x{v:.2f} (wall), x{report['cpu_time_ratios'][k]:.2f} (CPU time)"
               for k, v in report["ratios"].items()]
     return "\n".join(lines)
 
 
-def plot_throughput(report: dict):
-    """Bar chart of output tokens/s per engine."""
-    import matplotlib.pyplot as plt
-
-    rows = report["results"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    bars = ax.bar([f"{r['engine']}\n({r['dtype']})" for r in rows],
-                  [r["output_tok_s"] for r in rows], color=[f"C{i}" for i in range(len(rows))])
-    ax.bar_label(bars, fmt="%.0f")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title(f"{report['num_requests']} requests on {report['device']} "
-                 f"({report['threads']} threads)", fontsize=10)
-    fig.tight_layout()
-    return fig
-
-
-__all__ = ["Workload", "format_table", "make_workload", "plot_throughput", "run_throughput_bench",
-           "save_figure", "write_json"]
+__all__ = ["Workload", "make_workload", "run_throughput_bench", "throughput_table"]

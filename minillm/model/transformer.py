@@ -1,12 +1,35 @@
-"""The decoder: token embeddings -> N blocks -> final RMSNorm -> output head (tied or not)."""
+"""The decoder: token embeddings -> N blocks -> final RMSNorm -> output head (tied or not).
+
+A block is x + Attention(RMSNorm(x)) then x + FFN(RMSNorm(x)): a pre-norm residual stream whose
+FFN is a SwiGLU or, when the config has experts, a mixture of experts.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .attention import get_backend
-from .config import ModelConfig
-from .layers import Block, RMSNorm, rope_cos_sin
+from ..attention import get_backend
+from ..config import ModelConfig
+from .layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
+from .moe import MoEFeedForward
+
+
+class Block(nn.Module):
+    """One decoder layer: pre-norm attention and pre-norm SwiGLU, each added to the residual."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, layer_idx)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if cfg.n_experts:
+            self.ffn = MoEFeedForward(cfg.d_model, cfg.ffn_dim, cfg.n_experts, cfg.top_k)
+        else:
+            self.ffn = SwiGLU(cfg.d_model, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
+        return x + self.ffn(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):

@@ -10,12 +10,12 @@ import matplotlib.pyplot as plt
 
 
 def memory_explorer(snapshots, cols: int = 16):
-    """A slider over :class:`~minillm.engine.workload.MemorySnapshot` s (record them with
+    """A slider over :class:`~minillm.course.ch04_workload.MemorySnapshot` s (record them with
     ``serve(..., snapshots=True)``): the memory map of the chosen step and its block tables."""
     import ipywidgets as widgets
     from IPython.display import display
 
-    from .engine.plots import memory_map
+    from ..viz.ch04 import plot_memory_map
 
     if not snapshots:
         raise ValueError("snapshots must not be empty: run serve(..., snapshots=True)")
@@ -27,7 +27,7 @@ def memory_explorer(snapshots, cols: int = 16):
         snap = snapshots[slider.value]
         with out:
             out.clear_output(wait=True)
-            fig = memory_map(snap, cols=cols)
+            fig = plot_memory_map(snap, cols=cols)
             display(fig)
             plt.close(fig)
             print(block_tables_text(snap))

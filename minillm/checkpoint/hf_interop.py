@@ -3,7 +3,7 @@
 minillm and HF Llama/Qwen3 share one weight layout: the same matrices, the same shapes, and
 the same rotary convention (``rotate_half`` over the two halves of each head; our GGUF loader
 already un-permutes llama.cpp's interleaved Q/K rows). So the conversion is only a renaming,
-the inverse of :func:`minillm.weights.hf_name_map`, plus a config translation.
+the inverse of :func:`minillm.checkpoint.gguf.hf_name_map`, plus a config translation.
 
 Uses: parity tests (same weights, same input -> same logits), and benchmarks that compare
 minillm with HF on a preset whose weights are random (``LlamaForCausalLM(config)`` with our
@@ -18,9 +18,9 @@ import inspect
 
 import torch
 
-from .config import ModelConfig
-from .model import Transformer
-from .weights import hf_name_map
+from ..config import ModelConfig
+from ..model.transformer import Transformer
+from .safetensors import hf_name_map
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype | None = None):

@@ -4,8 +4,8 @@ For the real model at ``dtype`` (bf16 by default) and each quantization spec ("i
 "gptq:64", ... ``method[:group_size]``): quantize a copy, score perplexity on held-out prose
 (:func:`minillm.evaluate.sample_ids`, one forward pass, disjoint from the calibration text), then
 time prefill and greedy decode. The models take turns in every timing round
-(:func:`minillm.bench.median_times`), so a busy spell on a shared machine slows all alike, and
-speed-ups are ratios measured side by side.
+(:func:`minillm.bench.common.median_times`), so a busy spell on a shared machine slows all
+alike, and speed-ups are ratios measured side by side.
 
     report = run_quant_bench()
     write_json(report, "benchmarks/results/quant.json")
@@ -18,13 +18,26 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..bench import bench_prompt, machine_info, median_times, minillm_runner, rates
+from ..checkpoint.loader import REAL_MODEL, load_model
 from ..device import resolve_device
 from ..evaluate import perplexity, sample_ids
-from ..loader import REAL_MODEL, load_model
-from .ggml_blocks import BLOCKS, bits_per_weight
-from .linear import DequantizedLinear, Int4Linear, Int8Linear
-from .quantize import DEFAULT_GROUP_SIZE, INT4_METHODS, check_method, quantize_model, weight_bytes
+from ..quant.ggml_blocks import BLOCKS, bits_per_weight
+from ..quant.linear import DequantizedLinear, Int4Linear, Int8Linear
+from ..quant.quantize import (
+    DEFAULT_GROUP_SIZE,
+    INT4_METHODS,
+    check_method,
+    quantize_model,
+    weight_bytes,
+)
+from .common import (
+    bench_prompt,
+    format_table,
+    machine_info,
+    median_times,
+    minillm_runner,
+    rates,
+)
 
 DEFAULT_SPECS = ("int8", "int4", "gptq", "awq", "hqq", "int4:64", "hqq:64", "q8_0", "q4_1",
                  "q4_k")
@@ -131,15 +144,16 @@ def run_quant_bench(model_name: str = REAL_MODEL, specs: Sequence[str] = DEFAULT
             "results": rows, "targets": checks}
 
 
-def format_table(report: dict) -> str:
+def quant_table(report: dict) -> str:
     """The report as a fixed-width table, then the targets."""
     ref = report["results"][0]["name"]
-    lines = [f"{'format':<9} {'bits/w':>6} {'MB':>6} {'ppl':>8} {'ppl/' + ref:>9} "
-             f"{'prefill/s':>9} {'decode/s':>8} {'x ' + ref:>7}  kernel", "-" * 96]
-    for r in report["results"]:
-        lines.append(f"{r['name']:<9} {r['bits_per_weight']:>6.2f} {r['weight_mb']:>6.1f} "
-                     f"{r['ppl']:>8.3f} {r['ppl_ratio']:>9.3f} {r['prefill_tok_s']:>9.1f} "
-                     f"{r['decode_tok_s']:>8.1f} {r['decode_speedup']:>7.2f}  {r['kernel']}")
+    lines = [format_table(
+        [("format", "<9"), ("bits/w", ">6.2f"), ("MB", ">6.1f"), ("ppl", ">8.3f"),
+         ("ppl/" + ref, ">9.3f"), ("prefill/s", ">9.1f"), ("decode/s", ">8.1f"),
+         ("x " + ref, ">7.2f"), ("kernel", "")],
+        [(r["name"], r["bits_per_weight"], r["weight_mb"], r["ppl"], r["ppl_ratio"],
+          r["prefill_tok_s"], r["decode_tok_s"], r["decode_speedup"], r["kernel"])
+         for r in report["results"]])]
     for spec, c in report["targets"].items():
         verdict = "met" if c["met"] else "NOT met"
         lines.append(f"target {spec}: decode x{c['decode_speedup']:.2f} (want >= "

@@ -200,7 +200,7 @@ class _LayerKV:
 
 
 def layer_sublayers(layer, cos: torch.Tensor, sin: torch.Tensor) -> tuple[AttnPart, FfnPart]:
-    """(attn_fn, ffn) for :func:`bpt_block` from a :class:`minillm.layers.Block`.
+    """(attn_fn, ffn) for :func:`bpt_block` from a :class:`minillm.model.Block`.
 
     cos/sin [1, 1, T, hd] are the RoPE tables of the T positions. ``attn_fn`` runs the layer's
     own attention module on rows start:stop, keeping the K/V of earlier rows as a KV cache
