@@ -33,15 +33,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import minillm  # noqa: E402
 from minillm.course import a2_roofline as roofline  # noqa: E402
 from minillm.device import setup_triton  # noqa: E402
 
 INTERPRETING = setup_triton()
-try:
-    import minillm.kernels  # noqa: F401
-except ImportError:  # a plain checkout (not pip-installed): kernels/ is minillm.kernels
-    minillm.__path__.append(str(ROOT))
 from minillm.kernels import divergence, softmax, vector_add  # noqa: E402
 from minillm.kernels import matmul as mm  # noqa: E402
 

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the project, in one run of under 8 minutes on an H200.
 # Writes JSON (device, date, git commit) into benchmarks/results/ (and $OUT when set, for the
-# device tool). Needs torch, triton and transformers; the package runs from this checkout.
+# device tool). Needs torch, triton and transformers. The package is installed from this
+# checkout first (editable, no dependencies); should that fail, it still imports from the
+# checkout (PYTHONPATH), where minillm.kernels is the checkout's kernels/ folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . \
+    || echo "gpu_check: pip install failed; running from the checkout"
+python3 -c "import minillm.kernels, minillm.engine" || exit 1
 res=benchmarks/results
 mkdir -p "$res"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
@@ -15,7 +20,7 @@ timeout 200 python3 benchmarks/gpu_check.py --out "$res/gpu_model_check.json" ||
 timeout 240 python3 benchmarks/kernels_bench.py --out "$res/kernels_gpu.json" || status=1
 # 3. appendix A2: copy bandwidth by size, matmul rates per dtype, divergence, occupancy
 timeout 150 python3 benchmarks/a2_gpu_check.py --out "$res/a2_gpu.json" || status=1
-# 4. chapter 04 engine: Triton paged backend == torch backend == alone; throughput vs HF
+# 4. chapter 04 engine: Triton paged backend == sdpa backend == alone; throughput vs HF
 timeout 150 python3 benchmarks/gpu_engine_check.py --out "$res/engine_gpu.json" || status=1
 if [ -n "${OUT:-}" ]; then cp "$res"/*.json "$OUT"/ 2>/dev/null || true; fi
 exit $status

@@ -1,8 +1,8 @@
-"""The serving engine on a GPU: the Triton paged backend against the torch one, then throughput.
+"""The serving engine on a GPU: the Triton paged backend against the sdpa one, then throughput.
 
 1. Correctness at SmolLM2's shape (seeded random weights, fp32, TF32 off): a mixed batch of
    greedy requests through the engine with the Triton paged kernels (the CUDA default) and with
-   the torch gather backend, and each request alone through the contiguous-cache loop.
+   the sdpa gather backend, and each request alone through the contiguous-cache loop.
 2. ``bench throughput`` (bf16): the engine vs HF transformers' static padded batches.
 
     python benchmarks/gpu_engine_check.py --out benchmarks/results/engine_gpu.json
@@ -35,7 +35,7 @@ def backends_agree(device: torch.device, n: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     result = {"requests": n}
     alone = [generate(model, p, params) for p in prompts]
-    for backend in ("triton", "torch") if device.type == "cuda" else ("torch",):
+    for backend in ("triton", "sdpa") if device.type == "cuda" else ("sdpa",):
         engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=2048,
                                                      attention_backend=backend))
         for p in prompts:

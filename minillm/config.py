@@ -72,6 +72,19 @@ class ModelConfig:
         emb = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + ffn + norms) + emb + self.d_model
 
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """ValueError for an empty prompt, an id outside the vocabulary, or a prompt that leaves
+        no room in the context window (max_seq_len) for one generated token."""
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt must contain at least one token")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context window "
+                             f"(max_seq_len) allows at most {self.max_seq_len - 1} so one can "
+                             f"be generated")
+        bad = [i for i in prompt_ids if not 0 <= int(i) < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+
     def with_(self, **changes) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

@@ -15,19 +15,6 @@ from .model.transformer import Transformer
 from .sampling import make_generator, sample
 
 
-def check_prompt(model: Transformer, prompt_ids: list[int]) -> None:
-    """Empty prompts, unknown ids and prompts that fill the context window are errors."""
-    if len(prompt_ids) == 0:
-        raise ValueError("prompt must contain at least one token")
-    window = model.cfg.max_seq_len
-    if len(prompt_ids) >= window:
-        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context window "
-                         f"(max_seq_len) allows at most {window - 1} so one can be generated")
-    bad = [i for i in prompt_ids if not 0 <= int(i) < model.cfg.vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids must be in [0, {model.cfg.vocab_size}), got {bad[:5]}")
-
-
 def _stop_ids(model: Transformer, params: SamplingParams) -> set[int]:
     return set() if params.ignore_eos else {model.cfg.eos_token_id}
 
@@ -40,7 +27,7 @@ def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams,
     ``cache_factory(max_len)`` builds the cache (default: a contiguous :class:`KVCache`);
     bounded caches from chapter 02 plug in here. Stops at EOS, ``max_tokens`` or the window.
     """
-    check_prompt(model, prompt_ids)
+    model.cfg.check_prompt(prompt_ids)
     n_new = min(params.max_tokens, model.cfg.max_seq_len - len(prompt_ids))
     max_len = len(prompt_ids) + n_new
     if cache_factory is None:
@@ -69,7 +56,7 @@ def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams,
 def generate_no_cache(model: Transformer, prompt_ids: list[int],
                       params: SamplingParams) -> list[int]:
     """The same loop without a cache: every step recomputes attention over the whole prefix."""
-    check_prompt(model, prompt_ids)
+    model.cfg.check_prompt(prompt_ids)
     n_new = min(params.max_tokens, model.cfg.max_seq_len - len(prompt_ids))
     gen = make_generator(params.seed, model.device)
     stop = _stop_ids(model, params)

@@ -266,11 +266,11 @@ def test_triton_backend_in_interpreter_matches_torch(tiny):
     prompts = prompts_of([9, 3, 20])
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outs = {}
-    for backend in ("torch", "triton"):
+    for backend in ("sdpa", "triton"):
         engine = LLMEngine(model, tok, EngineConfig(num_kv_blocks=30, block_size=8,
                                                     attention_backend=backend))
         outs[backend] = [o.token_ids for o in run_all(engine, prompts, params)]
-    assert outs["triton"] == outs["torch"] == alone(model, prompts, params)
+    assert outs["triton"] == outs["sdpa"] == alone(model, prompts, params)
 
 
 def test_stop_strings_and_stream():

@@ -1,11 +1,11 @@
-"""The engine's paged attention (torch backend) against the float64 reference of the kernels,
+"""The engine's paged attention (sdpa backend) against the float64 reference of the kernels,
 on shuffled physical blocks, mixed decode / prefill / prefill-over-a-cached-prefix batches."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from minillm.attention.paged import build_metadata, torch_paged_attention, write_kv
+from minillm.attention.paged import build_metadata, sdpa_paged_attention, write_kv
 from minillm.device import setup_triton
 
 setup_triton()  # before any kernel module is imported
@@ -13,7 +13,7 @@ from minillm.kernels.paged_attention import paged_prefill_reference  # noqa: E40
 
 
 @pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (8, 8, 32, 4), (8, 1, 16, 7)])
-def test_torch_paged_attention_matches_reference(hq, hkv, d, block_size):
+def test_sdpa_paged_attention_matches_reference(hq, hkv, d, block_size):
     g = torch.Generator().manual_seed(hq * 100 + block_size)
     # (cached before this step, new tokens): decodes first, then prefills with and without prefix
     # 19 decode sequences: two decode groups (DECODE_GROUP = 16) of different padded widths
@@ -36,7 +36,7 @@ def test_torch_paged_attention_matches_reference(hq, hkv, d, block_size):
     k = torch.randn(total, hkv, d, generator=g, dtype=torch.float64)
     v = torch.randn(total, hkv, d, generator=g, dtype=torch.float64)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = torch_paged_attention(q, k, v, k_cache, v_cache, meta)
+    out = sdpa_paged_attention(q, k, v, k_cache, v_cache, meta)
     ref, _ = paged_prefill_reference(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                      meta.seq_lens)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)

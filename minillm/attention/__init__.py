@@ -6,6 +6,8 @@ may see key j when j <= L - T + i. Output [B, H, T, hd].
 
 Backends: "sdpa" (PyTorch's fused kernel, the default), "reference" (the maths written out),
 "triton" (our FlashAttention kernel, chapter 05; compiled on a GPU, interpreted on a CPU).
+The serving engine's paged attention (``paged.py``) takes the same names ("sdpa", "triton").
+:func:`attention_with_lse` is the reference everything is checked against.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from .reference import causal_mask, reference_attention
+from .reference import attention_with_lse, causal_mask, reference_attention
 from .sdpa import sdpa_attention
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -33,5 +35,6 @@ def get_backend(name: str) -> AttentionFn:
     raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
 
 
-__all__ = ["BACKENDS", "AttentionFn", "causal_mask", "get_backend", "reference_attention",
+__all__ = ["BACKENDS", "AttentionFn", "attention_with_lse", "causal_mask", "get_backend",
+           "reference_attention",
            "sdpa_attention"]

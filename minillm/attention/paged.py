@@ -10,7 +10,7 @@ k_cache, v_cache [num_blocks, block_size, Hkv, D] per layer.
 Backends take q [N, Hq, D], the new tokens' k, v [N, Hkv, D] (already written into the cache),
 the layer's caches and the :class:`PagedMetadata`, and return [N, Hq, D]:
 
-- ``torch``: decode rows gather their blocks into a padded [B, Hkv, L, D] batch (one masked SDPA
+- ``sdpa``: decode rows gather their blocks into a padded [B, Hkv, L, D] batch (one masked SDPA
   call); each multi-token sequence runs causal SDPA over its own keys (no gather when it has no
   cached prefix). Runs anywhere; the CPU default.
 - ``triton``: the paged kernels of chapter 05 read the blocks in place: split-KV decode when every
@@ -100,7 +100,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
-def torch_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def sdpa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: PagedMetadata) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D] (see the module docstring)."""
@@ -159,12 +159,13 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 PagedAttentionFn = Callable[..., torch.Tensor]
-PAGED_BACKENDS: dict[str, PagedAttentionFn] = {"torch": torch_paged_attention,
+PAGED_BACKENDS: dict[str, PagedAttentionFn] = {"sdpa": sdpa_paged_attention,
                                                "triton": triton_paged_attention}
 
 
 def get_paged_backend(name: str) -> PagedAttentionFn:
-    """The paged attention function called ``name`` (torch or triton)."""
+    """The paged attention function called ``name`` (sdpa or triton: the names the model's
+    dense backends use, :data:`minillm.attention.BACKENDS`)."""
     try:
         return PAGED_BACKENDS[name]
     except KeyError:

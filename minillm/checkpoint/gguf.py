@@ -44,8 +44,11 @@ BLOCK_BYTES = {"Q8_0": (34, dequantize_q8_0), "Q4_1": (20, dequantize_q4_1)}
 
 def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Raw GGUF tensor data -> float32 tensor of ``shape`` (torch order, rows first)."""
-    if type_name in ("F32", "F16", "BF16"):
+    if type_name in ("F32", "F16"):  # GGUFReader hands these over as float32/float16 arrays
         return torch.from_numpy(np.array(raw)).float().reshape(shape)
+    if type_name == "BF16":  # ... but bfloat16 as raw bytes, 2 per weight (numpy has no bfloat16)
+        bits = np.array(raw, dtype=np.uint8).view(np.int16)
+        return torch.from_numpy(bits).view(torch.bfloat16).float().reshape(shape)
     if type_name not in BLOCK_BYTES:
         raise NotImplementedError(f"GGUF tensor type {type_name} is not supported "
                                   f"(supported: F32, F16, BF16, {', '.join(BLOCK_BYTES)})")

@@ -141,7 +141,7 @@ class Recorder:
                 self.snapshots.append(snapshot(engine, len(engine.trace) - 1))
             return outs
 
-        def timed(copy):
+        def counting_swap_time(copy):
             def run(pairs):
                 t0 = time.perf_counter()
                 copy(pairs)
@@ -149,7 +149,8 @@ class Recorder:
             return run
 
         engine.scheduler.schedule, engine.step = recorded_schedule, recorded_step
-        pool.swap_out, pool.swap_in = timed(pool.swap_out), timed(pool.swap_in)
+        pool.swap_out = counting_swap_time(pool.swap_out)
+        pool.swap_in = counting_swap_time(pool.swap_in)
 
 
 # ---- the driver ------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from ..cache.block_manager import BlockManager, blocks_for
 from ..cache.pool import block_bytes
 from ..checkpoint.tokenizer import Tokenizer
 from ..config import SamplingParams
-from ..generate import check_prompt
 from ..model.transformer import Transformer
 from ..sampling import make_generator, sample
 from .outputs import CompletionOutput, EngineStats, RequestOutput, StepRecord
@@ -35,7 +34,7 @@ class EngineConfig(SchedulerConfig):
 
     num_kv_blocks None sizes the pool from ``kv_cache_memory`` bytes (None: 90% of free GPU
     memory on CUDA, 2 GiB on the CPU). ``swap_space`` GiB of CPU memory hold swapped blocks.
-    ``attention_backend`` None is "triton" on CUDA, "torch" elsewhere. ``pack_linears`` None
+    ``attention_backend`` None is "triton" on CUDA, "sdpa" elsewhere. ``pack_linears`` None
     swaps the model's linears for oneDNN-packed ones (:class:`minillm.model.PackedLinear`, same
     parameters, in place) where that applies: float32 on the CPU.
     """
@@ -81,7 +80,7 @@ class LLMEngine:
         num_cpu = 0 if config.preemption == "recompute" else \
             int(config.swap_space * GiB) // block_bytes(model.cfg, config.block_size, model.dtype)
         backend = config.attention_backend or ("triton" if model.device.type == "cuda"
-                                               else "torch")
+                                               else "sdpa")
         self.blocks = BlockManager(num_blocks, config.block_size, num_cpu, config.watermark)
         self.scheduler = Scheduler(config.scheduler_config(), self.blocks, model.cfg.max_seq_len)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu, backend,
@@ -124,7 +123,7 @@ class LLMEngine:
             ids = self.tokenizer.encode(text)
         else:
             ids = [int(i) for i in prompt]
-        check_prompt(self.model, ids)
+        self.model.cfg.check_prompt(ids)
         width = max(params.n, params.beam_width)
         longest = min(len(ids) + params.max_tokens, self.model.cfg.max_seq_len)
         shared = len(ids) // self.blocks.block_size      # full prompt blocks, shared by forks

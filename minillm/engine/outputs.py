@@ -78,10 +78,6 @@ class EngineStats:
     block_size: int
 
     @property
-    def block_usage(self) -> float:
-        return self.blocks_used / max(1, self.blocks_used + self.blocks_free)
-
-    @property
     def kv_waste(self) -> float:
         """Fraction of allocated slots that hold nothing (reserved or the tail of a block)."""
         return 1 - self.slots_used / max(1, self.blocks_used * self.block_size)

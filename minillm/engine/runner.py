@@ -18,7 +18,7 @@ from .sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int,
-                 num_cpu_blocks: int = 0, attention_backend: str = "torch",
+                 num_cpu_blocks: int = 0, attention_backend: str = "sdpa",
                  pack: bool | None = None) -> None:
         self.model, self.block_size = model, block_size
         if pack or (pack is None and can_pack_linears(model.device, model.dtype)):

@@ -98,9 +98,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def free_seq(self, seq_id: int) -> None:
-        self.blocks.free(seq_id)
-
     def finish(self, req: Request) -> None:
         """Drop a request from every queue and free all its blocks (finished or aborted)."""
         for queue in (self.waiting, self.running, self.swapped):

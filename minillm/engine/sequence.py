@@ -76,10 +76,6 @@ class Metrics:
         return None if self.first_token is None else self.first_token - self.arrival
 
     @property
-    def queue_time(self) -> float | None:
-        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
-
-    @property
     def e2e(self) -> float | None:
         return None if self.finished is None else self.finished - self.arrival
 

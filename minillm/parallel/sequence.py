@@ -28,6 +28,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..attention import attention_with_lse
 from ..device import setup_triton
 from . import comm
 
@@ -70,19 +71,13 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> torch.Ten
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                      k_pos: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [B, H, Tq, D] over k, v [B, Hkv, Tk, D] (GQA) under the position mask.
+    """Attention of q [B, H, Tq, D] over k, v [B, Hkv, Tk, D] (GQA) under the position mask
+    :func:`visible`: :func:`minillm.attention.attention_with_lse` with positions for the mask.
 
     Returns (out [B, H, Tq, D] in q's dtype, lse [B, H, Tq] fp32, fp64 for fp64 q). Rows with
     no visible key give out 0 and lse -inf, which the merge rule ignores.
     """
-    group = q.shape[1] // k.shape[1]
-    dt = torch.promote_types(q.dtype, torch.float32)  # fp32 at least (fp64 for a reference)
-    k, v = k.repeat_interleave(group, 1).to(dt), v.repeat_interleave(group, 1).to(dt)
-    scores = (q.to(dt) @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~visible(q_pos, k_pos, causal), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    return (probs @ v).to(q.dtype), lse
+    return attention_with_lse(q, k, v, visible(q_pos, k_pos, causal))
 
 
 def pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> int:

@@ -4,7 +4,7 @@
 (:data:`METHODS` lists the names; ``minillm.load_model(..., quantization=...)`` calls it).
 Formats live in :mod:`.formats` (int8 / int4) and :mod:`.ggml_blocks` (Q8_0, Q4_1, Q4_K),
 the methods that choose int4 codes in :mod:`.methods` (GPTQ, AWQ, HQQ), the fast layers in
-:mod:`.linear`, the benchmark in :mod:`.bench` and the figures in :mod:`.plots`.
+:mod:`.linear`. The benchmark is :mod:`minillm.bench.quant`, the figures :mod:`minillm.viz.a1`.
 """
 from .formats import (
     INT4_GROUP_SIZES,

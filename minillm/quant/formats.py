@@ -124,10 +124,3 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_int4`."""
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
-
-
-def weight_bits(method_bits: float, group_size: int | None, params_per_group: int = 2,
-                param_bits: int = 16) -> float:
-    """Bits per weight including the per-group scale and min (e.g. int4 g32: 4 + 32/32 = 5)."""
-    extra = params_per_group * param_bits / group_size if group_size else 0.0
-    return method_bits + extra

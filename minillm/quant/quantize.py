@@ -61,7 +61,6 @@ def calibration_ids(tok, n_tokens: int = 256, offset: int = CALIBRATION_OFFSET) 
     return sample_ids(offset + n_tokens, tok)[offset:]
 
 
-
 class _Stop(Exception):
     pass
 
@@ -161,11 +160,6 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
         model.lm_head = Int8Linear.from_linear(model.lm_head).to(model.lm_head.weight.device)
     model.quantization = method
     return model
-
-
-def quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
-    return {n: m for n, m in model.named_modules()
-            if isinstance(m, (Int8Linear, Int4Linear, DequantizedLinear))}
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -2,7 +2,7 @@
 
 :mod:`.lora` (LoRA / QLoRA adapters, merge, unmerge), :mod:`.data` (the course's instruction
 and preference sets), :mod:`.sft`, :mod:`.preference` (reward model, DPO), :mod:`.rl`
-(REINFORCE with a KL penalty, judges, RLAIF) and :mod:`.plots`.
+(REINFORCE with a KL penalty, judges, RLAIF). The figures are in :mod:`minillm.viz.a1`.
 """
 from .lora import LoRALinear, add_lora, fold_lora, lora_disabled, merge_lora, unmerge_lora
 from .preference import RewardModel, dpo_loss, train_dpo, train_reward_model

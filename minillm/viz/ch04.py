@@ -10,13 +10,15 @@ on.
 from __future__ import annotations
 
 import textwrap
+from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Rectangle
 
-from ..course.ch04_workload import MemorySnapshot, RunResult
+if TYPE_CHECKING:  # plots take the recorded data; they never run the workload
+    from ..course.ch04_workload import MemorySnapshot, RunResult
 
 PREFILL, DECODE = "tab:orange", "tab:blue"
 
