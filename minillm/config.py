@@ -129,6 +129,9 @@ def get_preset(name: str) -> ModelConfig:
                          f"folder, or one of the presets {sorted(PRESETS)}") from None
 
 
+MAX_LOGPROBS = 20  # vLLM's default cap on logprobs / prompt_logprobs
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token (vLLM's names).
@@ -138,6 +141,9 @@ class SamplingParams:
     > 1 switches to beam search (deterministic, ignores temperature/top_p/top_k) and returns the
     ``n`` best beams, so n <= beam_width. ``length_penalty`` divides a finished beam's summed
     log-probability by length ** length_penalty when beams are ranked (HF's convention).
+    ``logprobs``: return each output token's log-probability and the top ``logprobs``
+    alternatives; ``prompt_logprobs``: the same for every prompt token (the OpenAI API's
+    ``logprobs`` and ``echo``); at most :data:`MAX_LOGPROBS` each.
     """
 
     temperature: float = 1.0
@@ -150,6 +156,8 @@ class SamplingParams:
     n: int = 1
     beam_width: int = 1
     length_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -167,6 +175,13 @@ class SamplingParams:
         if self.beam_width > 1 and self.n > self.beam_width:
             raise ValueError(f"n must be <= beam_width={self.beam_width} with beam search, "
                              f"got {self.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}], got {value}")
+        if self.beam_width > 1 and (self.logprobs is not None or self.prompt_logprobs is not None):
+            raise ValueError("logprobs and prompt_logprobs cannot be combined with beam search "
+                             f"(beam_width={self.beam_width})")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
 

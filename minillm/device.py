@@ -2,10 +2,15 @@
 
 Triton runs on CPU tensors only through its interpreter, and the switch (``TRITON_INTERPRET=1``)
 is read when a kernel module is imported, so :func:`setup_triton` must run before that.
+
+CPUs differ in what bf16 costs: on AVX2-only chips a bf16 matmul is several times slower than
+fp32, on chips with AVX512-BF16 or AMX it is faster. :func:`fastest_cpu_dtype` measures it.
 """
 from __future__ import annotations
 
+import functools
 import os
+import time
 
 import torch
 
@@ -51,3 +56,83 @@ def setup_triton() -> bool:
 def fast_mode() -> bool:
     """True when ``MINILLM_FAST=1`` (set by CI): notebooks shrink their sizes."""
     return os.environ.get("MINILLM_FAST", "0") not in ("", "0")
+
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx_vnni", "avx512_vnni",
+             "amx_tile", "amx_bf16", "amx_int8")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")   # native bf16 dot products
+BF16_MIN_SPEEDUP = 1.15                    # bf16 must beat fp32 by this much to be chosen
+CPU_DTYPE_ENV = "MINILLM_CPU_DTYPE"
+CPU_DTYPE_CHOICES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CPUINFO = "/proc/cpuinfo"
+
+
+def cpu_features() -> set[str]:
+    """The flags of :data:`CPU_FLAGS` that ``/proc/cpuinfo`` lists (empty set if unreadable)."""
+    try:
+        with open(CPUINFO) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split()) & set(CPU_FLAGS)
+    except OSError:
+        pass
+    return set()
+
+
+def _time_linear(dtype: torch.dtype, m: int = 64, k: int = 576, n: int = 1536,
+                 repeats: int = 5) -> float:
+    """Best-of-``repeats`` seconds for one ``F.linear`` of [m, k] x [k, n] in ``dtype``.
+
+    Runs on one thread: the per-core speed is what the instruction set decides, and it stays
+    steady when other processes hold the cores (two threads on a busy 2-core box measure noise).
+    """
+    x = torch.randn(m, k).to(dtype)
+    w = torch.randn(n, k).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for _ in range(2):                   # warm-up: kernel selection, packing, caches
+                torch.nn.functional.linear(x, w)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                torch.nn.functional.linear(x, w)
+                best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return best
+
+
+@functools.lru_cache
+def _choose_cpu_dtype(probe: bool) -> tuple[torch.dtype, str]:
+    """The decision of :func:`fastest_cpu_dtype` without the override, cached per process."""
+    flags = cpu_features()
+    have = ", ".join(sorted(flags)) or "none found"
+    if not probe:
+        if flags & set(BF16_FLAGS):
+            return torch.bfloat16, f"CPU flags ({have}) include native bf16: bfloat16"
+        return torch.float32, f"CPU flags ({have}) lack avx512_bf16/amx_bf16: float32"
+    t32, t16 = _time_linear(torch.float32), _time_linear(torch.bfloat16)
+    speedup = t32 / t16
+    dtype = torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32
+    verdict = "bf16 faster" if dtype == torch.bfloat16 else "bf16 not clearly faster"
+    return dtype, (f"probe (1 thread): linear [64,576]x[576,1536] fp32 {t32 * 1e3:.3f} ms, "
+                   f"bf16 {t16 * 1e3:.3f} ms ({speedup:.2f}x, {verdict}; "
+                   f"needs {BF16_MIN_SPEEDUP}x); CPU flags: {have}")
+
+
+def fastest_cpu_dtype(probe: bool = True) -> tuple[torch.dtype, str]:
+    """(float32 or bfloat16, a one-line reason): the faster dtype for matmuls on this CPU.
+
+    ``MINILLM_CPU_DTYPE=float32|bfloat16`` overrides. Otherwise, with ``probe`` a few-ms timing
+    of fp32 against bf16 decides (bf16 only if :data:`BF16_MIN_SPEEDUP` times faster); without
+    it the flags do (bf16 if the CPU has avx512_bf16 or amx_bf16). Cached per process.
+    """
+    value = os.environ.get(CPU_DTYPE_ENV, "")
+    if value:
+        if value not in CPU_DTYPE_CHOICES:
+            raise ValueError(f"{CPU_DTYPE_ENV} must be one of {sorted(CPU_DTYPE_CHOICES)}, "
+                             f"got {value!r}")
+        return CPU_DTYPE_CHOICES[value], f"{CPU_DTYPE_ENV}={value} (environment override)"
+    return _choose_cpu_dtype(probe)

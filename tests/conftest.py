@@ -7,6 +7,11 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton reads its interpreter switch when it is first imported, and loading the model may
+# import it: switch it on (no GPU) before any test or fixture runs.
+from minillm.device import setup_triton  # noqa: E402
+
+setup_triton()
 
 
 @pytest.fixture(scope="session")

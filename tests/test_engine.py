@@ -230,13 +230,13 @@ def test_bad_input_is_refused_and_nothing_leaks(tiny64):
         engine.add_request([1, 10**9], GREEDY)
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request([5] * 100, SamplingParams(max_tokens=400, n=8))
-    with pytest.raises(ValueError, match="unknown request_id"):
-        engine.abort("no-such-request")
+    assert engine.abort("no-such-request") is False      # unknown: a harmless no-op
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([5], GREEDY, request_id=good[0])
     for kw, name in [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
                      (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(n=0), "n must"),
-                     (dict(beam_width=2, n=3), "n must")]:
+                     (dict(beam_width=2, n=3), "n must"), (dict(logprobs=21), "logprobs"),
+                     (dict(beam_width=2, prompt_logprobs=1), "beam search")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kw)
     engine.step()
@@ -276,7 +276,7 @@ def test_triton_backend_in_interpreter_matches_torch(tiny):
 def test_stop_strings_and_stream():
     import minillm
 
-    llm = minillm.LLM("tiny", num_kv_blocks=50)
+    llm = minillm.LLM("tiny", dtype="float32", num_kv_blocks=50)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     full = llm.generate("Hello there", params, use_tqdm=False)[0].text
     assert "".join(llm.stream("Hello there", params)) == full
@@ -307,7 +307,7 @@ def test_real_model_mixed_batch_equals_hf_greedy(real, hf_model):
 def test_llm_with_quantized_weights_equals_the_quantized_model_alone():
     import minillm
 
-    llm = minillm.LLM("tiny", quantization="int8", num_kv_blocks=50)
+    llm = minillm.LLM("tiny", dtype="float32", quantization="int8", num_kv_blocks=50)
     assert type(llm.model.layers[0].attn.wq).__name__ == "Int8Linear"
     prompts = prompts_of([5, 3])
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)

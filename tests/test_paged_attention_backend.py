@@ -1,49 +1,118 @@
-"""The engine's paged attention (sdpa backend) against the float64 reference of the kernels,
-on shuffled physical blocks, mixed decode / prefill / prefill-over-a-cached-prefix batches."""
+"""The engine's paged attention against dense masked attention in float64
+(:func:`minillm.attention.attention_with_lse` over each sequence's keys gathered by hand), on
+shuffled physical blocks: decodes, verifications of 2-64 new tokens over a cached prefix, tree
+masks, prompts with and without a cached prefix, a long chunk over a prefix, in one step."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from minillm.attention.paged import build_metadata, sdpa_paged_attention, write_kv
-from minillm.device import setup_triton
+from minillm.attention import attention_with_lse
+from minillm.attention.paged import (
+    QUERY_GROUP,
+    batch_order,
+    build_metadata,
+    sdpa_paged_attention,
+    triton_paged_attention,
+    write_kv,
+)
 
-setup_triton()  # before any kernel module is imported
-from minillm.kernels.paged_attention import paged_prefill_reference  # noqa: E402
+
+def random_tree(n: int, g: torch.Generator) -> torch.Tensor:
+    """[n, n] bool: node i sees itself and its ancestors (node 0 is the root; each node's
+    parent is an earlier node)."""
+    parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parent[j]
+    return mask
+
+
+def dense_reference(q, k_cache, v_cache, tables, ctx_lens, q_lens, masks, block_size):
+    """Each sequence alone: its keys read from its blocks, the mask written out, float64."""
+    outs, row = [], 0
+    for table, ctx, n, m in zip(tables, ctx_lens, q_lens, masks):
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(ctx + n)]
+        keys = k_cache.flatten(0, 1)[slots].transpose(0, 1)[None]        # [1, Hkv, L, D]
+        vals = v_cache.flatten(0, 1)[slots].transpose(0, 1)[None]
+        new = torch.tril(torch.ones(n, n, dtype=torch.bool)) if m is None else m
+        mask = torch.cat([torch.ones(n, ctx, dtype=torch.bool), new], dim=1)
+        out, _ = attention_with_lse(q[row:row + n].transpose(0, 1)[None], keys, vals, mask)
+        outs.append(out[0].transpose(0, 1))
+        row += n
+    return torch.cat(outs)
+
+
+def make_step(hq, hkv, d, block_size, shapes, seed, dtype=torch.float64):
+    """shapes: (cached tokens, new tokens, tree mask?) per sequence -> the step's tensors."""
+    g = torch.Generator().manual_seed(seed)
+    ctx_lens = [c for c, _, _ in shapes]
+    q_lens = [n for _, n, _ in shapes]
+    masks = [random_tree(n, g) if tree else None for _, n, tree in shapes]
+    order = batch_order(ctx_lens, q_lens, [m is not None for m in masks])
+    ctx_lens, q_lens, masks = ([x[i] for i in order] for x in (ctx_lens, q_lens, masks))
+    num_blocks = 1024
+    perm = torch.randperm(num_blocks, generator=g).tolist()   # shuffled physical blocks
+    tables, used = [], 0
+    for c, n in zip(ctx_lens, q_lens):
+        k = -(-(c + n) // block_size)
+        tables.append(perm[used:used + k])
+        used += k
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g, dtype=dtype)
+    meta = build_metadata(tables, ctx_lens, q_lens, block_size, torch.device("cpu"), masks,
+                          q_per_kv=hq // hkv)
+    total = sum(q_lens)
+    q, k, v = (torch.randn(total, h, d, generator=g, dtype=dtype) for h in (hq, hkv, hkv))
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    ref = dense_reference(q, k_cache, v_cache, tables, ctx_lens, q_lens, masks, block_size)
+    return (q, k, v, k_cache, v_cache, meta), ref
+
+
+def mixed_shapes(block_size: int, seed: int) -> list[tuple[int, int, bool]]:
+    g = torch.Generator().manual_seed(seed)
+    decodes = [(int(n), 1, False) for n in torch.randint(1, 60, (QUERY_GROUP + 3,), generator=g)]
+    verify = [(int(c), int(n), False) for c, n in zip(torch.randint(1, 80, (5,), generator=g),
+                                                      [2, 5, 17, 64, 3])]
+    trees = [(37, 7, True), (0, 6, True), (block_size, 12, True)]
+    prompts = [(0, 23, False), (0, 1, False), (17, 9, False), (40, 100, False)]
+    return decodes + verify + trees + prompts
 
 
 @pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (8, 8, 32, 4), (8, 1, 16, 7)])
-def test_sdpa_paged_attention_matches_reference(hq, hkv, d, block_size):
-    g = torch.Generator().manual_seed(hq * 100 + block_size)
-    # (cached before this step, new tokens): decodes first, then prefills with and without prefix
-    # 19 decode sequences: two decode groups (DECODE_GROUP = 16) of different padded widths
-    decodes = [(int(n), 1) for n in torch.randint(0, 60, (19,), generator=g)]
-    shapes = decodes + [(0, 23), (17, 9), (block_size, 3)]
-    num_decode = len(decodes)
-    num_blocks = 512
-    order = torch.randperm(num_blocks, generator=g).tolist()   # shuffled physical blocks
-    tables, used = [], 0
-    for ctx, n in shapes:
-        k = -(-(ctx + n) // block_size)
-        tables.append(order[used:used + k])
-        used += k
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g, dtype=torch.float64)
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g, dtype=torch.float64)
-    meta = build_metadata(tables, [c for c, _ in shapes], [n for _, n in shapes], num_decode,
-                          block_size, torch.device("cpu"))
-    total = sum(n for _, n in shapes)
-    q = torch.randn(total, hq, d, generator=g, dtype=torch.float64)
-    k = torch.randn(total, hkv, d, generator=g, dtype=torch.float64)
-    v = torch.randn(total, hkv, d, generator=g, dtype=torch.float64)
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = sdpa_paged_attention(q, k, v, k_cache, v_cache, meta)
-    ref, _ = paged_prefill_reference(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                     meta.seq_lens)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+def test_sdpa_paged_attention_matches_dense_masked_attention(hq, hkv, d, block_size):
+    args, ref = make_step(hq, hkv, d, block_size, mixed_shapes(block_size, hq), seed=block_size)
+    torch.testing.assert_close(sdpa_paged_attention(*args), ref, rtol=1e-10, atol=1e-10)
+
+
+def test_verifications_of_several_tokens_batch_together():
+    """Sequences with a few new tokens each over a cached prefix share padded groups (one SDPA
+    call per QUERY_GROUP sequences), not one call per sequence."""
+    shapes = [(30 + i, 2 + i % 5, False) for i in range(20)]
+    (*_, meta), _ = make_step(4, 2, 16, 8, shapes, seed=0)
+    assert len(meta.groups) == 2 and not meta.singles
+
+
+def test_bad_mask_shape_names_the_parameter():
+    with pytest.raises(ValueError, match=r"masks\[0\] must be \[q_len, q_len\]"):
+        build_metadata([[0]], [0], [3], 16, torch.device("cpu"), [torch.ones(2, 2).bool()])
+
+
+def test_triton_backend_matches_without_masks_and_falls_back_with_them():
+    """The Triton kernels (interpreted on CPU, fp32) on a mixed step without tree masks, and
+    the sdpa fallback on a step with them."""
+    shapes = [(13, 1, False), (40, 1, False), (20, 3, False), (0, 9, False)]
+    args, ref = make_step(4, 2, 16, 16, shapes, seed=1, dtype=torch.float32)
+    torch.testing.assert_close(triton_paged_attention(*args), ref, rtol=2e-4, atol=2e-4)
+    args, ref = make_step(4, 2, 16, 16, shapes + [(5, 4, True)], seed=2, dtype=torch.float32)
+    torch.testing.assert_close(triton_paged_attention(*args), ref, rtol=2e-4, atol=2e-4)
 
 
 def test_slot_mapping_follows_block_tables():
-    meta = build_metadata([[7, 2], [5]], [17, 0], [1, 3], 1, 16, torch.device("cpu"))
+    meta = build_metadata([[7, 2], [5]], [17, 0], [1, 3], 16, torch.device("cpu"))
     # position 17 of the first sequence: logical block 1 -> physical 2, offset 1
     assert meta.slot_mapping.tolist() == [2 * 16 + 1, 5 * 16, 5 * 16 + 1, 5 * 16 + 2]
     assert meta.seq_lens.tolist() == [18, 3] and meta.cu_seqlens_q.tolist() == [0, 1, 4]

@@ -2,23 +2,32 @@
 
 One step packs the new tokens of every scheduled sequence into one flat batch of N rows: the
 token-wise work (linears, norms, FFN) runs on all N rows at once, and attention is done per
-sequence through the metadata below (Orca's *selective batching*). Decode sequences (one new
-token each) come first, then sequences with several new tokens (prefill, recompute, later
-chunked prefill). The cache layout is the kernels' (``minillm.kernels.paged_attention``):
-k_cache, v_cache [num_blocks, block_size, Hkv, D] per layer.
+sequence through the metadata below (Orca's *selective batching*). A sequence brings
+``q_len`` new tokens on top of ``ctx_len`` cached ones: a decode (1 new token), a verification
+of a few drafted tokens, a prompt chunk, a whole prompt. The cache layout is the kernels'
+(``minillm.kernels.paged_attention``): k_cache, v_cache [num_blocks, block_size, Hkv, D] per
+layer. A sequence may bring a *tree mask* [q_len, q_len] over its new tokens (True: node i sees
+node j); it always sees its whole cached prefix. Without one, the new tokens are causal.
 
 Backends take q [N, Hq, D], the new tokens' k, v [N, Hkv, D] (already written into the cache),
 the layer's caches and the :class:`PagedMetadata`, and return [N, Hq, D]:
 
-- ``sdpa``: decode rows gather their blocks into a padded [B, Hkv, L, D] batch (one masked SDPA
-  call); each multi-token sequence runs causal SDPA over its own keys (no gather when it has no
-  cached prefix). Runs anywhere; the CPU default.
+- ``sdpa``: sequences with a cached prefix and at most ``SHORT_QUERY`` new tokens (decodes,
+  verifications) and every sequence with a tree mask are attended in groups of up to
+  ``QUERY_GROUP``: their blocks gathered whole into a padded [B, Hkv, L, D] batch, their queries
+  padded to the group's longest, one masked SDPA call. A sequence with nothing cached runs causal
+  SDPA over its own new keys (no gather); a long chunk over a cached prefix gathers its own keys.
+  Runs anywhere; the CPU default.
 - ``triton``: the paged kernels of chapter 05 read the blocks in place: split-KV decode when every
-  sequence decodes, otherwise one paged prefill kernel over the mixed batch (Pensieve-style).
+  sequence has one new token, otherwise one paged prefill kernel over the mixed batch
+  (Pensieve-style). Tree masks are not in the kernels: a step with one falls back to ``sdpa``.
+
+Everything a backend needs is built once per step on the host (Python lists and tensors made
+from them), so the forward pass makes no host synchronisation.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,32 +35,43 @@ import torch.nn.functional as F
 
 from .sdpa import sdpa_attention
 
-DECODE_GROUP = 16
+QUERY_GROUP = 16     # sequences per padded group
+SHORT_QUERY = 64     # new tokens over a cached prefix that still go to a padded group
 
 
 @dataclass
-class DecodeGroup:
-    """Decode rows [start, end): ``blocks`` int64 [(end - start) * W] lists the W block ids of each
-    sequence's table (padded with block 0); ``mask`` bool [end - start, 1, 1, W * block_size]
-    marks the real keys among those blocks' slots."""
+class QueryGroup:
+    """Sequences [first, last) of the step, rows [start, end) of the flat batch, attended as one
+    padded batch of B sequences x Q query slots over W blocks each.
 
+    pad_rows: int64 [B * Q], the flat row behind each query slot (padding repeats a real row);
+    real: int64 [end - start], the query slot of each real row, in flat order;
+    blocks: int64 [B * W], each sequence's block table padded with block 0;
+    mask: bool [B, 1, G * Q, W * block_size], which keys each query slot sees, repeated for the
+    G query heads that share a KV head (they are folded into the query axis).
+    """
+
+    first: int
+    last: int
     start: int
     end: int
+    q_slots: int
+    pad_rows: torch.Tensor
+    real: torch.Tensor
     blocks: torch.Tensor
     mask: torch.Tensor
 
 
 @dataclass
 class PagedMetadata:
-    """Where each row of a step's flat batch lives. S sequences, N rows, the first
-    ``num_decode`` sequences have one new token each.
+    """Where each row of a step's flat batch lives. S sequences, N rows.
 
     slot_mapping: int64 [N], cache slot (block * block_size + offset) of each new token.
     block_tables: int32 [S, max_blocks]; seq_lens: int32 [S], tokens in the cache after this step.
-    cu_seqlens_q: int32 [S + 1], row ranges of each sequence; q_lens, ctx_lens: Python lists
-    (new tokens, tokens cached before this step). ``decode_groups`` cut the decode rows into
-    groups of up to ``DECODE_GROUP`` sequences (the runner sorts them by length, so a group pads
-    to similar lengths): see :class:`DecodeGroup`.
+    cu_seqlens_q: int32 [S + 1], row ranges of each sequence. Python lists (no device reads):
+    q_lens (new tokens), ctx_lens (tokens cached before this step), starts (first row of each
+    sequence). ``groups``: the padded groups (:class:`QueryGroup`); ``singles``: the other
+    sequences, attended one by one. ``has_masks``: some sequence brought a tree mask.
     """
 
     slot_mapping: torch.Tensor
@@ -60,37 +80,97 @@ class PagedMetadata:
     cu_seqlens_q: torch.Tensor
     q_lens: list[int]
     ctx_lens: list[int]
-    num_decode: int
+    starts: list[int]
     block_size: int
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    groups: list[QueryGroup] = field(default_factory=list)
+    singles: list[int] = field(default_factory=list)
+    has_masks: bool = False
 
     @property
     def max_q_len(self) -> int:
         return max(self.q_lens)
 
 
+def grouped(ctx_len: int, q_len: int, has_mask: bool) -> bool:
+    """Does a sequence go to a padded group (else it is attended on its own)?"""
+    return has_mask or (ctx_len > 0 and q_len <= SHORT_QUERY)
+
+
+def batch_order(ctx_lens: Sequence[int], q_lens: Sequence[int],
+                has_mask: Sequence[bool] | None = None) -> list[int]:
+    """An order of the step's sequences for :func:`build_metadata`: grouped ones first, by new
+    tokens then total length (so a group pads little), then the rest as given."""
+    has_mask = has_mask or [False] * len(q_lens)
+    key = [(not grouped(c, q, m), q, c + q) if grouped(c, q, m) else (True, 0, 0)
+           for c, q, m in zip(ctx_lens, q_lens, has_mask)]
+    return sorted(range(len(q_lens)), key=lambda i: key[i])
+
+
 def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: list[int],
-                   num_decode: int, block_size: int, device: torch.device) -> PagedMetadata:
-    """Metadata for S sequences from their block tables and token counts (Python lists)."""
+                   block_size: int, device: torch.device,
+                   masks: Sequence[torch.Tensor | None] | None = None,
+                   q_per_kv: int = 1) -> PagedMetadata:
+    """Metadata for S sequences from their block tables and token counts (Python lists), in
+    the order given (see :func:`batch_order`). ``masks[i]``: bool [q_lens[i], q_lens[i]] or
+    None (causal); ``q_per_kv``: query heads per KV head (GQA)."""
+    masks = list(masks) if masks is not None else [None] * len(q_lens)
+    for i, (m, n) in enumerate(zip(masks, q_lens)):
+        if m is not None and tuple(m.shape) != (n, n):
+            raise ValueError(f"masks[{i}] must be [q_len, q_len] = [{n}, {n}], "
+                             f"got {tuple(m.shape)}")
     slots = []
     for table, start, n in zip(block_tables, ctx_lens, q_lens):
         slots += [table[p // block_size] * block_size + p % block_size
                   for p in range(start, start + n)]
     width = max(len(t) for t in block_tables)
     tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-    seq_lens = torch.tensor([c + n for c, n in zip(ctx_lens, q_lens)], dtype=torch.int32)
-    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
     meta = PagedMetadata(torch.tensor(slots, dtype=torch.long, device=device),
-                         tables.to(device), seq_lens.to(device), cu.to(device),
-                         list(q_lens), list(ctx_lens), num_decode, block_size)
-    for a in range(0, num_decode, DECODE_GROUP):
-        b = min(a + DECODE_GROUP, num_decode)
-        w = max(len(t) for t in block_tables[a:b])
-        mask = torch.arange(w * block_size)[None] < seq_lens[a:b, None]
-        meta.decode_groups.append(DecodeGroup(a, b, tables[a:b, :w].flatten().long().to(device),
-                                              mask[:, None, None].to(device)))
+                         tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
+                         torch.tensor(starts, dtype=torch.int32, device=device),
+                         list(q_lens), list(ctx_lens), starts[:-1], block_size,
+                         has_masks=any(m is not None for m in masks))
+    pending: list[int] = []
+    for i, (c, n, m) in enumerate(zip(ctx_lens, q_lens, masks)):
+        if not grouped(c, n, m is not None):
+            meta.singles.append(i)
+            continue
+        if pending and (pending[-1] != i - 1 or len(pending) == QUERY_GROUP):
+            meta.groups.append(_group(pending, meta, block_tables, masks, q_per_kv, device))
+            pending = []
+        pending.append(i)
+    if pending:
+        meta.groups.append(_group(pending, meta, block_tables, masks, q_per_kv, device))
     return meta
+
+
+def _group(seqs: list[int], meta: PagedMetadata, block_tables: list[list[int]],
+           masks: list[torch.Tensor | None], q_per_kv: int, device) -> QueryGroup:
+    """The :class:`QueryGroup` of consecutive sequences ``seqs``."""
+    first, last = seqs[0], seqs[-1] + 1
+    q = max(meta.q_lens[first:last])
+    w = max(len(block_tables[i]) for i in seqs)
+    keys = torch.arange(w * meta.block_size)
+    pad_rows, real, blocks, rows_mask = [], [], [], []
+    for b, i in enumerate(seqs):
+        ctx, n, start = meta.ctx_lens[i], meta.q_lens[i], meta.starts[i]
+        pad_rows += [start + min(t, n - 1) for t in range(q)]
+        real += [b * q + t for t in range(n)]
+        blocks += block_tables[i] + [0] * (w - len(block_tables[i]))
+        new = torch.tril(torch.ones(n, n, dtype=torch.bool)) if masks[i] is None \
+            else masks[i].to("cpu", torch.bool)
+        seen = (keys < ctx)[None].repeat(q, 1)                  # the cached prefix
+        seen[:n, ctx:ctx + n] = new
+        seen[n:, 0] = True                                      # padding: any one key
+        rows_mask.append(seen)
+    mask = torch.stack(rows_mask)[:, None].repeat(1, 1, q_per_kv, 1)    # [B, 1, G*Q, L]
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    end = meta.starts[last - 1] + meta.q_lens[last - 1]
+    return QueryGroup(first, last, meta.starts[first], end, q, t(pad_rows), t(real), t(blocks),
+                      mask.to(device))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -101,16 +181,14 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def sdpa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: PagedMetadata) -> torch.Tensor:
+                         k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: PagedMetadata) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D] (see the module docstring)."""
     out = torch.empty_like(q)
-    nd = meta.num_decode
-    for g in meta.decode_groups:
-        out[g.start:g.end] = _decode(q[g.start:g.end], k_cache, v_cache, g)
-    cu = meta.cu_seqlens_q.tolist()
-    for i in range(nd, len(meta.q_lens)):
-        rows = slice(cu[i], cu[i + 1])
+    for g in meta.groups:
+        out[g.start:g.end] = _attend_group(q, k_cache, v_cache, g)
+    for i in meta.singles:
+        rows = slice(meta.starts[i], meta.starts[i] + meta.q_lens[i])
         if meta.ctx_lens[i] == 0:
             ki, vi = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
@@ -127,30 +205,35 @@ def _gather(cache: torch.Tensor, meta: PagedMetadata, i: int) -> torch.Tensor:
     return cache[blocks].flatten(0, 1)[:n].transpose(0, 1)
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            group: DecodeGroup) -> torch.Tensor:
-    """One query per sequence, q [B, Hq, D], over its padded, masked keys -> [B, Hq, D].
-    Whole blocks are gathered (a few large copies, much faster than one per token); the query
-    heads sharing a KV head are stacked on the query axis, so K/V are not copied per head."""
-    b, hq, d = q.shape
+def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  g: QueryGroup) -> torch.Tensor:
+    """The group's rows of the output, [end - start, Hq, D]. Whole blocks are gathered (a few
+    large copies, much faster than one per token); the query heads sharing a KV head are stacked
+    on the query axis, so K/V are not copied per head."""
+    hq, d = q.shape[1:]
     hkv = k_cache.shape[2]
-    keys, values = (c.index_select(0, group.blocks).view(b, -1, hkv, d).transpose(1, 2)
+    b, n_q, grp = g.last - g.first, g.q_slots, hq // hkv
+    keys, values = (c.index_select(0, g.blocks).view(b, -1, hkv, d).transpose(1, 2)
                     for c in (k_cache, v_cache))                           # [B, Hkv, L, D]
-    qg = q.view(b, hkv, hq // hkv, d)
-    return F.scaled_dot_product_attention(qg, keys, values, attn_mask=group.mask) \
-        .view(b, hq, d)
+    qg = q.index_select(0, g.pad_rows).view(b, n_q, hkv, grp, d).permute(0, 2, 3, 1, 4)
+    out = F.scaled_dot_product_attention(qg.reshape(b, hkv, grp * n_q, d), keys, values,
+                                         attn_mask=g.mask)
+    out = out.view(b, hkv, grp, n_q, d).permute(0, 3, 1, 2, 4).reshape(b * n_q, hq, d)
+    return out.index_select(0, g.real)
 
 
 def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: PagedMetadata) -> torch.Tensor:
     """The same contract through the Triton paged kernels (compiled on CUDA, else interpreted)."""
+    if meta.has_masks:
+        return sdpa_paged_attention(q, k, v, k_cache, v_cache, meta)
     from ..device import setup_triton
 
     setup_triton()  # before the kernel module is first imported
     from ..kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
-    if meta.num_decode == len(meta.q_lens):
+    if meta.max_q_len == 1:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                       check_values=False)[0]
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,

@@ -14,7 +14,9 @@ The device pool (:mod:`minillm.cache.pool`) is an array of ``num_blocks`` blocks
 
 Invariants (``check``): a block's reference count equals the number of tables holding it; a block
 is on the free list exactly when its count is 0; every table holds at least
-``ceil(filled / block_size)`` blocks, where ``filled`` counts the sequence's token slots.
+``ceil(filled / block_size)`` blocks, where ``filled`` counts the sequence's token slots; the
+tables sharing a block use the same slots of it (writes and truncations copy first), so the slots
+in use are kept as a running count.
 """
 from __future__ import annotations
 
@@ -81,6 +83,8 @@ class BlockManager:
         self.tables: dict[int, list[int]] = {}      # seq id -> device block ids
         self.cpu_tables: dict[int, list[int]] = {}  # seq id -> CPU block ids (swapped out)
         self.filled: dict[int, int] = {}            # seq id -> token slots in use
+        self.fill = [0] * num_blocks                # device block -> its slots holding K/V
+        self.slots = 0                              # sum of fill: slots in use, O(1) to read
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -96,7 +100,12 @@ class BlockManager:
         return self.num_blocks - self.num_free
 
     def slots_in_use(self) -> int:
-        """Token slots holding K/V in the device pool, a shared slot counted once."""
+        """Token slots holding K/V in the device pool, a shared slot counted once (kept up to
+        date as blocks fill and empty, so O(1))."""
+        return self.slots
+
+    def _slots_by_scan(self) -> int:
+        """The same count from the tables (what ``check`` compares with)."""
         fill: dict[int, int] = {}
         for s, table in self.tables.items():
             n = self.filled[s]
@@ -128,6 +137,7 @@ class BlockManager:
             raise NoFreeBlocksError(f"need {need} blocks, {self.num_free} free")
         self.tables[seq_id] = [self.device.take() for _ in range(need)]
         self.filled[seq_id] = num_tokens
+        self._fill_from(seq_id, 0)
 
     def reserve(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """Make slots for ``num_tokens`` tokens in total (grow on demand). Returns the
@@ -138,13 +148,35 @@ class BlockManager:
         copies = []
         for i in self._shared_blocks_written(table, filled, num_tokens):
             src, dst = table[i], self.device.take()
-            self.device.release(src)
+            self._release(src)
             table[i] = dst
             copies.append((src, dst))
         while len(table) < blocks_for(num_tokens, self.block_size):
             table.append(self.device.take())
         self.filled[seq_id] = max(filled, num_tokens)
+        self._fill_from(seq_id, filled // self.block_size)
         return copies
+
+    def _used(self, num_tokens: int, i: int) -> int:
+        """Slots of logical block i that ``num_tokens`` tokens fill."""
+        return min(self.block_size, max(0, num_tokens - i * self.block_size))
+
+    def _fill_from(self, seq_id: int, first: int) -> None:
+        """Bring the fill of the sequence's blocks from logical block ``first`` on up to date
+        (a block shared by several tables holds the longest of their prefixes)."""
+        n = self.filled[seq_id]
+        for i, block in enumerate(self.tables[seq_id][first:], start=first):
+            self._set_fill(block, max(self.fill[block], self._used(n, i)))
+
+    def _set_fill(self, block: int, n: int) -> None:
+        self.slots += n - self.fill[block]
+        self.fill[block] = n
+
+    def _release(self, block: int) -> None:
+        """Drop one reference to a device block; an unreferenced block holds nothing."""
+        self.device.release(block)
+        if self.device.ref[block] == 0:
+            self._set_fill(block, 0)
 
     def _shared_blocks_written(self, table: list[int], filled: int, num_tokens: int) -> list[int]:
         """Logical indices of existing shared blocks that slots [filled, num_tokens) fall in."""
@@ -153,14 +185,25 @@ class BlockManager:
         first, last = filled // self.block_size, (num_tokens - 1) // self.block_size
         return [i for i in range(first, min(last + 1, len(table))) if self.device.ref[table[i]] > 1]
 
-    def truncate(self, seq_id: int, num_tokens: int) -> None:
-        """Forget slots past ``num_tokens`` (rolled-back tokens); whole blocks past it are freed."""
-        table = self.tables[seq_id]
+    def truncate(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Forget slots past ``num_tokens`` (rolled-back tokens); whole blocks past it are freed.
+        Cutting inside a block that other tables share gives this sequence its own copy (they
+        still need the slots it forgets): the (src, dst) copy is returned for the runner."""
+        table, filled = self.tables[seq_id], self.filled[seq_id]
         keep = blocks_for(num_tokens, self.block_size)
         for block in table[keep:]:
-            self.device.release(block)
+            self._release(block)
         del table[keep:]
-        self.filled[seq_id] = min(self.filled[seq_id], num_tokens)
+        self.filled[seq_id] = min(filled, num_tokens)
+        copies = []
+        if keep and self._used(num_tokens, keep - 1) < self._used(filled, keep - 1):
+            if self.device.ref[table[-1]] > 1:
+                src, dst = table[-1], self.device.take()
+                self._release(src)
+                table[-1] = dst
+                copies.append((src, dst))
+            self._set_fill(table[-1], self._used(self.filled[seq_id], keep - 1))
+        return copies
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (reference counts go up, nothing copied)."""
@@ -175,7 +218,7 @@ class BlockManager:
     def free(self, seq_id: int) -> None:
         """Release a sequence's blocks (device or swapped); unknown ids are ignored."""
         for block in self.tables.pop(seq_id, []):
-            self.device.release(block)
+            self._release(block)
         for block in self.cpu_tables.pop(seq_id, []):
             self.cpu.release(block)
         self.filled.pop(seq_id, None)
@@ -192,11 +235,18 @@ class BlockManager:
     def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Move the sequences' blocks to the CPU pool. Returns (device block, CPU block) copies;
         a block shared inside the group is copied once and stays shared."""
-        return self._move(seq_ids, self.tables, self.cpu_tables, self.device, self.cpu)
+        pairs = self._move(seq_ids, self.tables, self.cpu_tables, self.device, self.cpu)
+        for block, _ in pairs:
+            if self.device.ref[block] == 0:
+                self._set_fill(block, 0)
+        return pairs
 
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Move swapped sequences back. Returns (CPU block, device block) copies."""
-        return self._move(seq_ids, self.cpu_tables, self.tables, self.cpu, self.device)
+        pairs = self._move(seq_ids, self.cpu_tables, self.tables, self.cpu, self.device)
+        for s in seq_ids:
+            self._fill_from(s, 0)
+        return pairs
 
     @staticmethod
     def _move(seq_ids, src_tables, dst_tables, src_pool: BlockPool, dst_pool: BlockPool):
@@ -223,3 +273,4 @@ class BlockManager:
         for s, n in self.filled.items():
             table = self.tables.get(s, self.cpu_tables.get(s))
             assert table is not None and len(table) >= blocks_for(n, self.block_size)
+        assert self.slots == self._slots_by_scan() == sum(self.fill), "slot count wrong"

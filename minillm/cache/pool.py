@@ -3,7 +3,13 @@
 Pool tensors k, v: [n_layers, num_blocks, block_size, Hkv, D]; layer l's slice is the
 [num_blocks, block_size, Hkv, D] layout of the paged kernels. Which block belongs to whom is
 decided by :class:`minillm.cache.block_manager.BlockManager`; the pool only moves data:
-copy-on-write copies, swap out (device -> CPU pool) and swap in.
+copy-on-write copies, swap out (device -> CPU pool) and swap in, and slot copies that compact
+kept tokens into place (speculative decoding's accepted tree nodes).
+
+Ordering on CUDA: every copy is issued on the current stream, so the kernels that later read or
+overwrite a block run after it. A swap-out's device-to-host copy lands in a pinned staging
+buffer and the host waits on an event before writing the CPU pool (reading it any earlier would
+see unfinished data); a swap-in copies from pinned memory without blocking the host.
 """
 from __future__ import annotations
 
@@ -40,14 +46,38 @@ class PagedKVPool:
         _copy(self.v, self.v, pairs)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """(device block, CPU block) pairs: device -> CPU."""
-        _copy(self.k, self.cpu_k, pairs)
-        _copy(self.v, self.cpu_v, pairs)
+        """(device block, CPU block) pairs: device -> CPU. Returns once the CPU pool holds them."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.k.device)
+        dst = torch.tensor([p[1] for p in pairs])
+        staged = [torch.empty((x.shape[0], len(pairs), *x.shape[2:]), dtype=x.dtype,
+                              pin_memory=self.k.device.type == "cuda") for x in (self.k, self.v)]
+        for stage, pool in zip(staged, (self.k, self.v)):
+            stage.copy_(pool[:, src], non_blocking=True)
+        if self.k.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()   # the host reads the staging buffers next
+        self.cpu_k[:, dst], self.cpu_v[:, dst] = staged
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(CPU block, device block) pairs: CPU -> device."""
         _copy(self.cpu_k, self.k, pairs)
         _copy(self.cpu_v, self.v, pairs)
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Token slot ``src[i]`` -> slot ``dst[i]`` (slot = block * block_size + offset), every
+        layer, K and V: keeps accepted tokens and drops the rest when a tree is verified."""
+        if len(src) != len(dst):
+            raise ValueError(f"src and dst must have the same length, got {len(src)}, {len(dst)}")
+        if not src:
+            return
+        s = torch.tensor(src, device=self.k.device)
+        d = torch.tensor(dst, device=self.k.device)
+        for pool in (self.k, self.v):
+            flat = pool.view(pool.shape[0], -1, *pool.shape[3:])
+            flat[:, d] = flat[:, s]          # gathered first, so overlapping moves are safe
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()

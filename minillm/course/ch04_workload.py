@@ -4,10 +4,9 @@
   stand-in for ShareGPT's long-tailed conversation lengths), prompts cut from real prose;
   :func:`minillm.bench.throughput.make_workload` is the uniform-length one.
 - :func:`poisson_arrivals`: arrival times of a Poisson process.
-- :class:`Recorder`: hooks an :class:`~minillm.engine.LLMEngine` to keep, per step, what the
-  trace does not: each scheduled request's new tokens, block moves (swap, copy-on-write) and
-  their time, and a :class:`MemorySnapshot` of the block tables (for memory maps and the
-  explorer widget).
+- :class:`Recorder`: subscribes to an :class:`~minillm.engine.LLMEngine`'s step hook to keep
+  each step's plan (new tokens per request, block moves and their time) and a
+  :class:`MemorySnapshot` of the block tables (for memory maps and the explorer widget).
 - :func:`serve`: an arrival-driven loop over a *virtual clock*: the clock advances by the
   measured wall time of each engine step and jumps over idle gaps (nobody waits for a request to
   arrive), so a load sweep costs only the compute. ``stop_at`` ends a request at a given number
@@ -117,40 +116,29 @@ class StepPlan:
 
 
 class Recorder:
-    """Wraps ``engine.scheduler.schedule``, ``engine.step`` and the pool's swap copies of one
-    engine to record :class:`StepPlan` s, :class:`MemorySnapshot` s (``snapshots=True``) and the
-    seconds spent copying blocks between device and CPU memory."""
+    """Subscribes to one engine's step hook to keep a :class:`StepPlan` per step, a
+    :class:`MemorySnapshot` after it (``snapshots=True``) and the seconds the steps spent moving
+    blocks (swap, copy-on-write) before their forward passes."""
 
     def __init__(self, engine: LLMEngine, snapshots: bool = False) -> None:
         self.engine = engine
         self.plans: list[StepPlan] = []
         self.snapshots: list[MemorySnapshot] = []
         self.swap_seconds = 0.0
-        schedule, step, pool = engine.scheduler.schedule, engine.step, engine.runner.pool
+        self.keep_snapshots = snapshots
+        engine.step_hooks.append(self.on_step)
 
-        def recorded_schedule():
-            out = schedule()
-            if not out.is_empty:
-                self.plans.append(StepPlan({r.request_id: r.num_new_tokens for r in out.requests},
-                                           len(out.swap_out), len(out.swap_in), len(out.copies)))
-            return out
+    def on_step(self, engine: LLMEngine, record: StepRecord) -> None:
+        self.plans.append(StepPlan(dict(record.scheduled), record.swapped_out,
+                                   record.swapped_in, record.copied))
+        self.swap_seconds += record.move_seconds
+        if self.keep_snapshots:
+            self.snapshots.append(snapshot(engine, record.index))
 
-        def recorded_step():
-            outs = step()
-            if snapshots and outs:
-                self.snapshots.append(snapshot(engine, len(engine.trace) - 1))
-            return outs
-
-        def counting_swap_time(copy):
-            def run(pairs):
-                t0 = time.perf_counter()
-                copy(pairs)
-                self.swap_seconds += time.perf_counter() - t0
-            return run
-
-        engine.scheduler.schedule, engine.step = recorded_schedule, recorded_step
-        pool.swap_out = counting_swap_time(pool.swap_out)
-        pool.swap_in = counting_swap_time(pool.swap_in)
+    def close(self) -> None:
+        """Stop recording."""
+        if self.on_step in self.engine.step_hooks:
+            self.engine.step_hooks.remove(self.on_step)
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -261,9 +249,11 @@ def serve(engine: LLMEngine, work: Workload, params: SamplingParams | list[Sampl
                 engine.abort(out.request_id)
             if out.finished or (stop is not None and len(out.token_ids) >= stop):
                 r.finished = clock
+    rec.close()
     recs = [records[str(i)] for i in range(n)]
     start = min(arrivals)
-    return RunResult(recs, list(engine.trace), rec, clock - start, engine.blocks.block_size,
+    trace = list(engine.trace)[-len(rec.plans):] if rec.plans else []
+    return RunResult(recs, trace, rec, clock - start, engine.blocks.block_size,
                      engine.blocks.num_blocks)
 
 

@@ -1,14 +1,21 @@
 """The engine loop: ``step()`` = schedule -> run the model -> sample and update (nano-vllm's shape).
 
-``add_request`` checks a request and queues it, ``step`` advances every scheduled request by one
-token (or its whole prompt), ``abort`` drops a request and frees its blocks. Sampling, stop
-conditions, parallel sampling (``n``: the prompt's blocks are forked, not copied) and beam search
-happen here, between the runner's logits and the next schedule.
+``add_request`` checks a request and queues it; ``step`` runs the scheduler's plan (so many
+tokens per sequence: a decode token, a prompt chunk, a whole prompt), advances every sequence
+by what ran and samples where a sequence reached its end; ``abort`` drops a request and frees its
+blocks. Sampling is one batched call per step (:mod:`.sampler`); the text of each sequence
+grows by the new characters only (:mod:`.detokenizer`). Parallel sampling (``n``: the prompt's
+blocks are forked, not copied) and beam search happen here, between the runner's logits and the
+next schedule. Every step leaves a :class:`~.outputs.StepRecord` in a bounded ring
+(``trace``) and calls the ``step_hooks``.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -18,10 +25,12 @@ from ..cache.pool import block_bytes
 from ..checkpoint.tokenizer import Tokenizer
 from ..config import SamplingParams
 from ..model.transformer import Transformer
-from ..sampling import make_generator, sample
+from ..sampling import make_generator
+from .detokenizer import IncrementalDetokenizer
 from .outputs import CompletionOutput, EngineStats, RequestOutput, StepRecord
-from .runner import ModelRunner
-from .scheduler import Scheduler, SchedulerConfig
+from .runner import ModelRunner, StepResult
+from .sampler import SamplingBatch, prompt_logprobs, sample_rows
+from .scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Request, Sequence, Status
 
 GiB = 1 << 30
@@ -30,13 +39,15 @@ GiB = 1 << 30
 @dataclass(frozen=True)
 class EngineConfig(SchedulerConfig):
     """Engine options: the scheduler's (max_num_seqs, max_num_batched_tokens, batching, policy,
-    admission, preemption, mixed) plus the KV pool's and the attention backend.
+    admission, preemption, mixed, enable_chunked_prefill) plus the KV pool's and the attention
+    backend.
 
     num_kv_blocks None sizes the pool from ``kv_cache_memory`` bytes (None: 90% of free GPU
     memory on CUDA, 2 GiB on the CPU). ``swap_space`` GiB of CPU memory hold swapped blocks.
     ``attention_backend`` None is "triton" on CUDA, "sdpa" elsewhere. ``pack_linears`` None
     swaps the model's linears for oneDNN-packed ones (:class:`minillm.model.PackedLinear`, same
-    parameters, in place) where that applies: float32 on the CPU.
+    parameters, in place) where that applies: float32 on the CPU. ``trace_steps``: how many
+    recent :class:`StepRecord` s ``LLMEngine.trace`` keeps.
     """
 
     block_size: int = 16
@@ -46,15 +57,21 @@ class EngineConfig(SchedulerConfig):
     watermark: float = 0.01
     attention_backend: str | None = None
     pack_linears: bool | None = None
+    trace_steps: int = 10_000
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"max_num_batched_tokens must be >= block_size ({self.block_size}), "
+                             f"got {self.max_num_batched_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.trace_steps < 1:
+            raise ValueError(f"trace_steps must be >= 1, got {self.trace_steps}")
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(**{f.name: getattr(self, f.name) for f in fields(SchedulerConfig)})
@@ -68,6 +85,9 @@ def kv_blocks_for_memory(model: Transformer, block_size: int, memory: int | None
         else:
             memory = 2 * GiB
     return max(1, memory // block_bytes(model.cfg, block_size, model.dtype))
+
+
+StepHook = Callable[["LLMEngine", StepRecord], None]
 
 
 class LLMEngine:
@@ -86,7 +106,9 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu, backend,
                                   config.pack_linears)
         self.requests: dict[str, Request] = {}
-        self.trace: list[StepRecord] = []
+        self.trace: deque[StepRecord] = deque(maxlen=config.trace_steps)
+        self.step_hooks: list[StepHook] = []
+        self.num_steps = 0
         self._ids = itertools.count()
         self._generators: dict[str, torch.Generator | None] = {}
 
@@ -105,6 +127,8 @@ class LLMEngine:
         req = Request(request_id, ids, params, priority, text)
         if arrival_time is not None:
             req.metrics.arrival = arrival_time
+        if self.tokenizer is not None:
+            req.seqs[0].detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.requests[request_id] = req
         self._generators[request_id] = make_generator(params.seed, self.model.device)
         self.scheduler.add(req)
@@ -124,6 +148,8 @@ class LLMEngine:
         else:
             ids = [int(i) for i in prompt]
         self.model.cfg.check_prompt(ids)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
         width = max(params.n, params.beam_width)
         longest = min(len(ids) + params.max_tokens, self.model.cfg.max_seq_len)
         shared = len(ids) // self.blocks.block_size      # full prompt blocks, shared by forks
@@ -132,21 +158,32 @@ class LLMEngine:
             raise ValueError(f"request needs up to {need} KV blocks ({width} x {longest} tokens) "
                              f"but the pool has {self.blocks.num_blocks}: lower max_tokens, n or "
                              f"beam_width, or raise num_kv_blocks")
+        if not self.config.enable_chunked_prefill:
+            # a recomputed request is prefilled again whole, outputs included
+            whole = width * longest if self.config.preemption == "recompute" else len(ids)
+            if whole > self.config.max_num_batched_tokens:
+                raise ValueError(f"without chunked prefill a request must fit one step: up to "
+                                 f"{whole} tokens, max_num_batched_tokens="
+                                 f"{self.config.max_num_batched_tokens}; raise it or set "
+                                 f"enable_chunked_prefill=True")
         return ids, text
 
-    def abort(self, request_id: str) -> None:
-        """Stop an unfinished request now and free its blocks."""
+    def abort(self, request_id: str) -> bool:
+        """Stop an unfinished request now and free its blocks. A finished or unknown id is a
+        no-op (a client may cancel after the last token); returns whether it aborted one."""
         req = self.requests.pop(str(request_id), None)
         if req is None:
-            raise ValueError(f"unknown request_id {request_id!r}: no unfinished request has it")
+            return False
         for s in req.seqs:
             s.finish_reason = "abort"
         self._finish(req)
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
+        """Queue lengths and KV pool use, now (O(1))."""
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), len(s.swapped), self.blocks.num_used,
                            self.blocks.num_free, self.blocks.slots_in_use(),
@@ -154,7 +191,8 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; returns outputs of the requests that ran."""
+        """Schedule, run the model once, sample; returns the outputs of the requests that
+        produced tokens or finished in this step."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
@@ -162,70 +200,122 @@ class LLMEngine:
         for req in plan.requests:
             if req.metrics.first_scheduled is None:
                 req.metrics.first_scheduled = start
-        seqs, logits = self.runner.execute(plan, self.blocks.tables)
-        row = {s.seq_id: i for i, s in enumerate(seqs)}
-        prefill = sum(s.num_uncomputed for s in seqs if s.num_uncomputed > 1)
-        decode = sum(s.num_uncomputed == 1 for s in seqs)
-        for s in seqs:
-            s.num_computed = s.num_tokens
+        want_all = {s.seq_id for r in plan.requests if self._collects_prompt_logprobs(r)
+                    for s in r.seqs}
+        scheduled = {r.request_id: plan.tokens_of(r) for r in plan.requests}
+        result = self.runner.execute(plan, self.blocks.tables, all_logits=want_all)
+        changed = self._postprocess(plan, result)
+        record = self._record(plan, result, start, scheduled)
+        for hook in self.step_hooks:
+            hook(self, record)
+        outputs = [self.output(r) for r in changed]
+        for r in changed:
+            if r.finished:
+                del self.requests[r.request_id]
+        return outputs
+
+    def _postprocess(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Advance every sequence by what ran, collect prompt logprobs, sample the requests whose
+        sequences reached their ends; returns the requests that changed."""
+        owner = {s.seq_id: r for r in plan.requests for s in r.seqs}
+        for w in result.scheduled:
+            if self._collects_prompt_logprobs(owner[w.seq.seq_id]):
+                self._prompt_logprobs(owner[w.seq.seq_id], w, result)
+        done = {w.seq.seq_id for w in result.scheduled if w.completes}
+        for w in result.scheduled:
+            w.seq.num_computed += w.num_tokens
+        ready = [r for r in plan.requests if r.seqs and all(s.seq_id in done for s in r.seqs)]
+        last = {sid: rows.stop - 1 for sid, rows in result.logit_rows.items()
+                if sid in done}
+        self._sample(ready, result.logits, last)
         now = time.perf_counter()
-        for req in plan.requests:
-            rows = logits[[row[s.seq_id] for s in req.seqs]]
-            if req.params.use_beam_search:
-                self._beam_step(req, rows)
-            else:
-                self._sample_step(req, rows)
+        for req in ready:
             if req.metrics.first_token is None:
                 req.metrics.first_token = now
             if not req.seqs or (req.params.use_beam_search
                                 and len(req.done) >= req.params.beam_width):
                 self._finish(req)
-        self.trace.append(StepRecord(len(self.trace), start, time.perf_counter(),
-                                     [r.request_id for r in plan.requests], prefill, decode,
-                                     self.blocks.num_used, self.blocks.slots_in_use(),
-                                     [r.request_id for r in plan.preempted]))
-        outputs = [self.output(r) for r in plan.requests]
-        for r in plan.requests:
-            if r.finished:
-                del self.requests[r.request_id]
-        return outputs
+        return ready
 
-    def _sample_step(self, req: Request, logits: torch.Tensor) -> None:
-        """Sample one token per live sequence; the first step of an n > 1 request forks."""
-        params = req.params
-        if params.n > 1 and not req.done and len(req.seqs) == 1 and not req.seqs[0].output_ids:
-            self._fork(req, req.seqs[0], params.n - 1)
-            logits = logits.expand(params.n, -1)
-        gen = self._generators[req.request_id]
-        if params.greedy:
-            tokens = logits.argmax(dim=-1).tolist()
-        else:
-            tokens = [int(sample(row[None], params, gen)) for row in logits]
-        for seq, tok in zip(req.seqs, tokens):
-            self._append(req, seq, tok)
-        self._retire_finished(req)
+    def _record(self, plan: SchedulerOutput, result: StepResult, start: float,
+                scheduled: dict[str, int]) -> StepRecord:
+        prefill = sum(w.num_tokens for w in result.scheduled if w.num_tokens > 1)
+        decode = sum(w.num_tokens == 1 for w in result.scheduled)
+        record = StepRecord(self.num_steps, start, time.perf_counter(),
+                            [r.request_id for r in plan.requests], prefill, decode,
+                            self.blocks.num_used, self.blocks.slots_in_use(),
+                            [r.request_id for r in plan.preempted],
+                            scheduled,
+                            len(plan.swap_out), len(plan.swap_in), len(plan.copies),
+                            result.move_seconds)
+        self.num_steps += 1
+        self.trace.append(record)
+        return record
+
+    # ---- sampling ------------------------------------------------------------------------------
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, last: dict[int, int]) -> None:
+        """One batched draw for every sampled sequence (an n > 1 request's first step forks its
+        sequence first), then beam search per request on its rows."""
+        rows, owners, params, gens = [], [], [], []
+        for req in reqs:
+            if req.params.use_beam_search:
+                continue
+            p = req.params
+            if p.n > 1 and not req.done and len(req.seqs) == 1 and not req.seqs[0].output_ids:
+                self._fork(req, req.seqs[0], p.n - 1)
+            for s in req.seqs:
+                rows.append(last[s.seq_id] if s.seq_id in last else last[req.seqs[0].seq_id])
+                owners.append((req, s))
+                params.append(p)
+                gens.append(self._generators[req.request_id])
+        if rows:
+            batch = SamplingBatch.from_params(params, gens, logits.device)
+            out = sample_rows(logits[torch.tensor(rows, device=logits.device)], batch)
+            for i, (req, s) in enumerate(owners):
+                top = out.top[i][:req.params.logprobs] if req.params.logprobs else None
+                self._append(req, s, out.token_ids[i], out.logprobs[i], top)
+            for req in reqs:
+                if not req.params.use_beam_search:
+                    self._retire_finished(req)
+        for req in reqs:
+            if req.params.use_beam_search:
+                self._beam_step(req, logits[[last[s.seq_id] for s in req.seqs]])
 
     def _fork(self, req: Request, parent: Sequence, count: int) -> list[Sequence]:
-        children = [parent.fork() for _ in range(count)]
-        for c in children:
-            self.blocks.fork(parent.seq_id, c.seq_id)
+        children = [self._fork_one(req, parent) for _ in range(count)]
         req.seqs += children
         return children
 
-    def _append(self, req: Request, seq: Sequence, token: int, logprob: float = 0.0) -> None:
+    def _fork_one(self, req: Request, parent: Sequence) -> Sequence:
+        """A new live sequence sharing the parent's blocks (reference counts, no copy)."""
+        child = self._copy_seq(parent)
+        self.blocks.fork(parent.seq_id, child.seq_id)
+        return child
+
+    def _copy_seq(self, parent: Sequence) -> Sequence:
+        """The parent's tokens and text state under a new id (no blocks)."""
+        child = parent.fork()
+        if parent.detok is not None:   # its state, sharing the tokenizer
+            child.detok = copy.deepcopy(parent.detok, {id(self.tokenizer): self.tokenizer})
+        return child
+
+    def _append(self, req: Request, seq: Sequence, token: int, logprob: float = 0.0,
+                top: list[tuple[int, float]] | None = None) -> None:
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
+        if top is not None:
+            seq.logprobs.append({token: logprob, **dict(top)})
         params, cfg = req.params, self.model.cfg
         if token == cfg.eos_token_id and not params.ignore_eos:
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= cfg.max_seq_len:
             seq.finish_reason = "length"
-        if params.stop and self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-            hits = [seq.text.find(s) for s in params.stop if s in seq.text]
-            if hits:
-                seq.text = seq.text[:min(hits)]
+        if seq.detok is not None:
+            seq.delta += seq.detok.push([token])
+            if seq.detok.stopped:
                 seq.finish_reason = "stop"
+            if seq.finished:
+                seq.delta += seq.detok.finish()
 
     def _retire_finished(self, req: Request) -> None:
         for seq in [s for s in req.seqs if s.finished]:
@@ -246,7 +336,7 @@ class LLMEngine:
             step_lp = score - req.seqs[parent].cumulative_logprob
             if tok == self.model.cfg.eos_token_id and not req.params.ignore_eos:
                 if rank < width:
-                    done = req.seqs[parent].fork()
+                    done = self._copy_seq(req.seqs[parent])
                     self._append(req, done, tok, step_lp)
                     req.done.append(done)
                 continue
@@ -266,44 +356,82 @@ class LLMEngine:
             self._append(req, seq, tok, lp)
         self._retire_finished(req)
 
-    def _fork_one(self, req: Request, parent: Sequence) -> Sequence:
-        child = parent.fork()
-        self.blocks.fork(parent.seq_id, child.seq_id)
-        return child
+    # ---- prompt logprobs -------------------------------------------------------------------------
+    @staticmethod
+    def _collects_prompt_logprobs(req: Request) -> bool:
+        return req.params.prompt_logprobs is not None and \
+            len(req.prompt_logprobs) < len(req.prompt_ids)
 
+    @staticmethod
+    def _prompt_logprobs(req: Request, w: ScheduledSeq, result: StepResult) -> None:
+        """Add the entries of this chunk's prompt tokens (logits of every row were asked for;
+        the last row of the previous chunk predicts this chunk's first token)."""
+        start, n = w.seq.num_computed, w.num_tokens
+        rows = result.logits[result.logit_rows[w.seq.seq_id]]
+        if start:
+            rows = torch.cat([req.last_prompt_logits, rows])
+        ids = req.prompt_ids[max(start - 1, 0):start + n]
+        entries = prompt_logprobs(rows[:len(ids)], ids, req.params.prompt_logprobs)
+        req.prompt_logprobs += entries[1:] if start else entries
+        req.last_prompt_logits = rows[-1:]
+
+    # ---- editing the KV cache (speculative decoding) ---------------------------------------------
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of ``seq`` (rejected drafts go): their K/V slots
+        are forgotten and whole blocks past them freed."""
+        if not 0 < num_tokens <= seq.num_tokens:
+            raise ValueError(f"num_tokens must be in [1, {seq.num_tokens}], got {num_tokens}")
+        self.runner.pool.copy_blocks(self.blocks.truncate(seq.seq_id, num_tokens))
+        del seq.token_ids[num_tokens:]
+        seq.num_computed = min(seq.num_computed, num_tokens)
+
+    def move_kv(self, seq: Sequence, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of ``seq``'s positions ``src`` to positions ``dst`` (accepted tree nodes
+        into a contiguous run), every layer."""
+        table, bs = self.blocks.tables[seq.seq_id], self.blocks.block_size
+        bad = [p for p in src + dst if not 0 <= p < len(table) * bs]
+        if bad:
+            raise ValueError(f"positions must be in [0, {len(table) * bs}), got {bad[:5]}")
+        slot = [table[p // bs] * bs + p % bs for p in range(len(table) * bs)]
+        self.runner.pool.copy_slots([slot[p] for p in src], [slot[p] for p in dst])
+
+    # ---- finishing -----------------------------------------------------------------------------
     def _finish(self, req: Request) -> None:
         for s in req.seqs:
             s.finish_reason = s.finish_reason or "length"
+            if s.detok is not None:
+                s.delta += s.detok.finish()
         req.done += req.seqs
         self.scheduler.finish(req)
         req.seqs = []
         req.metrics.finished = time.perf_counter()
+        req.last_prompt_logits = None
         self._generators.pop(req.request_id, None)
 
     # ---- outputs -------------------------------------------------------------------------------
     def output(self, req: Request) -> RequestOutput:
-        """The request's completions: finished samples in order, or the n best beams."""
+        """The request's completions: finished samples in order, or the n best beams. Each
+        carries the text that is new since the last output (``text_delta``)."""
         seqs = req.done + req.seqs
         if req.params.use_beam_search:
             seqs = sorted(seqs, key=lambda s: self._beam_score(req, s), reverse=True)
-        seqs = seqs[:max(1, req.params.n)]
-        outs = [CompletionOutput(i, self._text(req, s), s.output_ids,
-                                 s.cumulative_logprob if req.params.use_beam_search else None,
-                                 s.finish_reason) for i, s in enumerate(seqs)]
+        outs = []
+        for i, s in enumerate(seqs[:max(1, req.params.n)]):
+            text = s.detok.text if s.detok is not None else ""
+            outs.append(CompletionOutput(
+                i, text, s.output_ids,
+                s.cumulative_logprob if req.params.use_beam_search else None, s.finish_reason,
+                s.delta, list(s.logprobs) if req.params.logprobs else None))
+        for s in seqs:
+            s.delta = ""
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished,
-                             req.metrics)
+                             req.metrics, list(req.prompt_logprobs)
+                             if req.params.prompt_logprobs is not None else None)
 
     @staticmethod
     def _beam_score(req: Request, seq: Sequence) -> float:
         """Summed log-probability / length ** length_penalty (HF's length normalisation)."""
         return seq.cumulative_logprob / max(1, len(seq.output_ids)) ** req.params.length_penalty
-
-    def _text(self, req: Request, seq: Sequence) -> str:
-        if self.tokenizer is None:
-            return ""
-        if req.params.stop:
-            return seq.text
-        return self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
 
 
 __all__ = ["EngineConfig", "LLMEngine", "Status"]

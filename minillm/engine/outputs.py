@@ -8,13 +8,18 @@ from .sequence import Metrics
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence of a request (one of n samples or beams)."""
+    """One generated sequence of a request (one of n samples or beams). ``text`` is all of
+    it so far, ``text_delta`` what is new since the previous output of the request (streaming).
+    ``logprobs`` (when asked for): per output token, {token: logprob} with the chosen token
+    first and then the top alternatives (log_softmax of the model's raw logits)."""
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
     finish_reason: str | None     # "stop", "length", "abort"; None while running
+    text_delta: str = ""
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -28,6 +33,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: Metrics
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def text(self) -> str:
@@ -53,8 +59,10 @@ class RequestOutput:
 
 @dataclass
 class StepRecord:
-    """One engine step, for timelines: which requests ran, how many tokens of each kind, and
-    the KV pool after it (blocks in use, token slots holding K/V)."""
+    """One engine step, for timelines: which requests ran and how many tokens each computed
+    (``scheduled``), tokens of each kind (sequences computing one token count as decode), the
+    KV pool after it (blocks in use, token slots holding K/V), the block moves before the
+    forward (blocks swapped out, in, copied on write) and the seconds they took."""
 
     index: int
     start: float
@@ -65,6 +73,11 @@ class StepRecord:
     blocks_used: int
     slots_used: int
     preempted: list[str] = field(default_factory=list)
+    scheduled: dict[str, int] = field(default_factory=dict)
+    swapped_out: int = 0
+    swapped_in: int = 0
+    copied: int = 0
+    move_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

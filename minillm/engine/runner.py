@@ -1,19 +1,45 @@
 """The model runner: the only device-aware part of the engine.
 
-Each step it performs the scheduler's block moves, packs the scheduled sequences' new tokens into
-one flat batch (token ids, positions, slot mapping, block tables), runs the model once over it
-through the paged KV pool, and returns the logits at each sequence's last new token.
+Each step it performs the scheduler's block moves, packs the scheduled tokens of every sequence
+into one flat batch (token ids, positions, slot mapping, block tables), runs the model once over
+it through the paged KV pool, and returns what the caller asked for: the logits at each
+completing sequence's last row (or at every row of chosen sequences: a verification), and on
+request the hidden states of chosen layers, all from the one forward pass.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
 import torch
 
-from ..attention.paged import build_metadata, get_paged_backend
+from ..attention.paged import batch_order, build_metadata, get_paged_backend
 from ..cache.pool import PagedBatch, PagedKVPool
 from ..model.packed import can_pack_linears, pack_linears
 from ..model.transformer import Transformer
-from .scheduler import SchedulerOutput
-from .sequence import Sequence
+from .scheduler import ScheduledSeq, SchedulerOutput
+
+
+@dataclass
+class StepResult:
+    """What one forward pass produced.
+
+    scheduled: the sequences' work in the order it ran. logits: [R, vocab] (fp32, or the
+    model's dtype if wider), the rows
+    asked for; ``logit_rows[seq_id]`` is the slice of them that belongs to a sequence (empty
+    when it asked for none: a prompt chunk that does not reach the end). ``rows[seq_id]``: the
+    sequence's rows of the flat batch [N, ...]. ``hidden[layer]``: [N, D], the residual stream
+    after that layer (-1: the final normed states that feed the output head).
+    ``move_seconds``: time spent on the block moves (swap, copy-on-write) before the forward.
+    """
+
+    scheduled: list[ScheduledSeq]
+    logits: torch.Tensor
+    logit_rows: dict[int, slice]
+    rows: dict[int, slice]
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    move_seconds: float = 0.0
 
 
 class ModelRunner:
@@ -28,27 +54,55 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.attn = get_paged_backend(attention_backend)
 
-    @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, tables: dict[int, list[int]]
-                ) -> tuple[list[Sequence], torch.Tensor]:
-        """Run one step. Returns the scheduled sequences (decodes first) and their next-token
-        logits [S, vocab] (fp32), row i for sequence i."""
+    def move_blocks(self, plan: SchedulerOutput) -> float:
+        """Swap out, swap in, copy-on-write, in that order; returns the seconds taken."""
+        start = time.perf_counter()
         self.pool.swap_out(plan.swap_out)
         self.pool.swap_in(plan.swap_in)
         self.pool.copy_blocks(plan.copies)
-        seqs = [s for r in plan.requests for s in r.seqs]
-        # decodes first, by length, so that each decode group pads its keys to similar lengths
-        seqs = sorted((s for s in seqs if s.num_uncomputed == 1), key=lambda s: s.num_tokens) + \
-            [s for s in seqs if s.num_uncomputed > 1]
-        num_decode = sum(s.num_uncomputed == 1 for s in seqs)
-        ids, positions = [], []
-        for s in seqs:
-            ids += s.token_ids[s.num_computed:]
-            positions += range(s.num_computed, s.num_tokens)
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput, tables: Mapping[int, list[int]],
+                all_logits: Collection[int] = (), hidden_layers: Collection[int] = (),
+                masks: Mapping[int, torch.Tensor] | None = None,
+                positions: Mapping[int, list[int]] | None = None) -> StepResult:
+        """Run one step. ``all_logits``: seq ids that want logits at every new row;
+        ``hidden_layers``: layers whose outputs to return; ``masks[seq_id]``: a tree mask
+        [n, n] over that sequence's new tokens; ``positions[seq_id]``: their RoPE positions
+        (default: their indices in the sequence)."""
+        moved = self.move_blocks(plan)
+        masks, positions = masks or {}, positions or {}
+        work = plan.seqs
+        order = batch_order([w.seq.num_computed for w in work], [w.num_tokens for w in work],
+                            [w.seq.seq_id in masks for w in work])
+        work = [work[i] for i in order]
+        ids, pos, rows = [], [], {}
+        for w in work:
+            s, start = w.seq, w.seq.num_computed
+            rows[s.seq_id] = slice(len(ids), len(ids) + w.num_tokens)
+            ids += s.token_ids[start:start + w.num_tokens]
+            pos += positions.get(s.seq_id, range(start, start + w.num_tokens))
         dev = self.model.device
-        meta = build_metadata([tables[s.seq_id] for s in seqs], [s.num_computed for s in seqs],
-                              [s.num_uncomputed for s in seqs], num_decode, self.block_size, dev)
-        h = self.model.hidden_states(torch.tensor([ids], device=dev), PagedBatch(self.pool, meta,
-                                     self.attn), torch.tensor(positions, device=dev))
-        last = meta.cu_seqlens_q[1:].long() - 1
-        return seqs, self.model.lm_head(h[0, last]).float()
+        cfg = self.model.cfg
+        meta = build_metadata([tables[w.seq.seq_id] for w in work],
+                              [w.seq.num_computed for w in work], [w.num_tokens for w in work],
+                              self.block_size, dev, [masks.get(w.seq.seq_id) for w in work],
+                              q_per_kv=cfg.n_heads // cfg.n_kv_heads)
+        layers = sorted(set(hidden_layers) - {-1})
+        h, hidden = self.model.forward_layers(torch.tensor([ids], device=dev),
+                                              PagedBatch(self.pool, meta, self.attn),
+                                              torch.tensor(pos, device=dev), layers)
+        hidden = {i: x[0] for i, x in hidden.items()}
+        if -1 in hidden_layers:
+            hidden[-1] = h[0]
+        pick, logit_rows = [], {}
+        for w in work:
+            r = rows[w.seq.seq_id]
+            want = range(r.start, r.stop) if w.seq.seq_id in all_logits else \
+                [r.stop - 1] if w.completes else []
+            logit_rows[w.seq.seq_id] = slice(len(pick), len(pick) + len(want))
+            pick += want
+        logits = self.model.lm_head(h[0, torch.tensor(pick, device=dev, dtype=torch.long)])
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return StepResult(work, logits, logit_rows, rows, hidden, moved)

@@ -22,13 +22,20 @@ CPU pool is full).
 
 ``mixed``: prefills and decodes share a step (one flat batch, selective batching). Without it a
 step is all prefill or all decode, prefill first (vLLM before chunked prefill).
+
+The plan is in tokens: each scheduled sequence computes ``num_tokens`` tokens from its
+``num_computed``, and ``max_num_batched_tokens`` bounds their sum in every step. Decodes are
+served first; the room left goes to prompts in order. With ``enable_chunked_prefill`` (Sarathi,
+vLLM's default) a prompt longer than the room left is split: its first chunk runs now, the rest
+in the following steps, and no logits are sampled until its last chunk. Without it a prompt runs
+whole or waits for the next step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..cache.block_manager import BlockManager
-from .sequence import Request, Status
+from ..cache.block_manager import BlockManager, blocks_for
+from .sequence import Request, Sequence, Status
 
 BATCHING = ("continuous", "static")
 POLICIES = ("fcfs", "priority")
@@ -45,6 +52,7 @@ class SchedulerConfig:
     admission: str = "paged"
     preemption: str = "recompute"
     mixed: bool = True
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name, allowed in (("batching", BATCHING), ("policy", POLICIES),
@@ -53,18 +61,34 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, "
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens must be >= max_num_seqs "
+                             f"({self.max_num_seqs}: one decode token per sequence), "
                              f"got {self.max_num_batched_tokens}")
 
 
 @dataclass
+class ScheduledSeq:
+    """One sequence's work in a step: compute ``num_tokens`` tokens, the token ids
+    ``seq.token_ids[seq.num_computed : seq.num_computed + num_tokens]``."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """The chunk reaches the sequence's last token: its last row's logits pick the next."""
+        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
 class SchedulerOutput:
-    """One step's plan. ``requests``: those that run, each computing all its sequences'
-    uncomputed tokens. Block moves for the runner to do first, in this order: ``swap_out``
-    (device block, CPU block), ``swap_in`` (CPU block, device block), ``copies`` (src, dst)."""
+    """One step's plan. ``requests``: those that run; ``seqs``: what each of their sequences
+    computes. Block moves for the runner to do first, in this order: ``swap_out`` (device block,
+    CPU block), ``swap_in`` (CPU block, device block), ``copies`` (src, dst)."""
 
     requests: list[Request] = field(default_factory=list)
+    seqs: list[ScheduledSeq] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
@@ -72,7 +96,12 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(r.num_new_tokens for r in self.requests)
+        return sum(s.num_tokens for s in self.seqs)
+
+    def tokens_of(self, req: Request) -> int:
+        """Tokens ``req`` computes in this step (all its sequences)."""
+        ids = {s.seq_id for s in req.seqs}
+        return sum(s.num_tokens for s in self.seqs if s.seq.seq_id in ids)
 
     @property
     def is_empty(self) -> bool:
@@ -110,41 +139,78 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
         static_busy = self.config.batching == "static" and (self.running or self.swapped)
         if not self.config.mixed and not static_busy and not self.swapped:
-            self._admit_waiting(out)
+            self._grow_running(out, budget, prefills=True, decodes=False)
+            self._admit_waiting(out, budget - out.num_tokens)
             if out.requests:
                 return out
-        self._grow_running(out)
+        self._grow_running(out, budget, prefills=self.config.mixed, decodes=True)
         if not out.preempted:
-            self._swap_in(out)
+            self._swap_in(out, budget)
         if self.config.mixed and not static_busy and not self.swapped and not out.preempted:
-            self._admit_waiting(out)
+            self._admit_waiting(out, budget - out.num_tokens)
         return out
 
-    def _grow_running(self, out: SchedulerOutput) -> None:
-        """Give every running sequence a slot for its next token, preempting from the back."""
+    @staticmethod
+    def _prefilling(req: Request) -> bool:
+        """A prompt (or a recomputed sequence) still being computed in chunks."""
+        return any(s.num_uncomputed > 1 for s in req.seqs)
+
+    def _grow_running(self, out: SchedulerOutput, budget: int, prefills: bool,
+                      decodes: bool) -> None:
+        """Give running sequences slots for this step's tokens, preempting from the back when
+        blocks run out: decodes first, then the rest of ``budget`` to prompts in chunks."""
         queue = self._sorted(self.running)
+        room = budget - (sum(r.num_new_tokens for r in queue if not self._prefilling(r))
+                         if decodes else 0)
         kept: list[Request] = []
         while queue:
             req = queue.pop(0)
-            while not self._can_grow(req):
+            if self._prefilling(req):
+                plan = self._prefill_plan(req, room) if prefills else []
+                room -= sum(n for _, n in plan)
+            else:
+                plan = [(s, s.num_uncomputed) for s in req.seqs] if decodes else []
+            preempted = False
+            while plan and not self._can_grow(plan):
                 victim = queue.pop() if queue else req
                 self._preempt(victim, out)
-                if victim is req:
+                preempted = victim is req
+                if preempted:
                     break
-            else:
-                self._grow(req, out)
+            if not preempted:
                 kept.append(req)
+                if plan:
+                    self._grow(req, plan, out)
         self.running = kept
 
-    def _can_grow(self, req: Request) -> bool:
-        need = sum(self.blocks.blocks_to_reserve(s.seq_id, s.num_tokens) for s in req.seqs)
+    def _prefill_plan(self, req: Request, room: int) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens) of a prompt (or a recomputed request) that run in ``room`` tokens:
+        everything if it fits; else, with chunked prefill, a chunk that stops short of each
+        sequence's last token, so that all of a request's sequences reach their ends (and
+        sample) in the same step; else nothing."""
+        if sum(s.num_uncomputed for s in req.seqs) <= room:
+            return [(s, s.num_uncomputed) for s in req.seqs if s.num_uncomputed]
+        if not self.config.enable_chunked_prefill:
+            return []
+        plan = []
+        for s in req.seqs:
+            n = min(s.num_uncomputed - 1, room)
+            if n > 0:
+                plan.append((s, n))
+                room -= n
+        return plan
+
+    def _can_grow(self, plan: list[tuple[Sequence, int]]) -> bool:
+        need = sum(self.blocks.blocks_to_reserve(s.seq_id, s.num_computed + n) for s, n in plan)
         return need <= self.blocks.num_free
 
-    def _grow(self, req: Request, out: SchedulerOutput) -> None:
-        for s in req.seqs:
-            out.copies += self.blocks.reserve(s.seq_id, s.num_tokens)
+    def _grow(self, req: Request, plan: list[tuple[Sequence, int]], out: SchedulerOutput) -> None:
+        for s, n in plan:
+            out.copies += self.blocks.reserve(s.seq_id, s.num_computed + n)
+            out.seqs.append(ScheduledSeq(s, n))
         out.requests.append(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -162,43 +228,60 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.append(req)
 
-    def _swap_in(self, out: SchedulerOutput) -> None:
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> None:
         for req in self._sorted(self.swapped):
             ids = [s.seq_id for s in req.seqs]
-            # room for the blocks coming back plus one new block per sequence to grow into
-            if not self._seq_room(req) or not self.blocks.can_swap_in(ids, extra=len(ids)):
+            room = budget - out.num_tokens
+            plan = self._prefill_plan(req, room) if self._prefilling(req) else \
+                [(s, s.num_uncomputed) for s in req.seqs]
+            if not plan or sum(n for _, n in plan) > room:
+                break
+            # room for the blocks coming back, the ones they grow into, and a copy-on-write each
+            bs = self.blocks.block_size
+            grow = sum(blocks_for(s.num_computed + n, bs) - blocks_for(s.num_computed, bs)
+                       for s, n in plan) + len(ids)
+            if not self._seq_room(req) or not self.blocks.can_swap_in(ids, extra=grow):
                 break
             out.swap_in += self.blocks.swap_in(ids)
             self.swapped.remove(req)
             req.status = Status.RUNNING
-            self._grow(req, out)
+            self._grow(req, plan, out)
             self.running.append(req)
 
     def _seq_room(self, req: Request) -> bool:
         live = sum(len(r.seqs) for r in self.running)
         return live + len(req.seqs) <= self.config.max_num_seqs
 
-    def _admit_waiting(self, out: SchedulerOutput) -> None:
-        """Admit waiting requests in order while sequences, tokens and blocks allow."""
-        budget = self.config.max_num_batched_tokens - out.num_tokens
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order while sequences, tokens and blocks allow. Without
+        chunked prefill the first request of an otherwise empty step always gets in."""
         for req in self._sorted(self.waiting):
-            need = req.num_new_tokens
-            if not self._seq_room(req) or (need > budget and out.requests):
+            plan = self._prefill_plan(req, budget)
+            if not plan and not out.requests:
+                plan = [(s, s.num_uncomputed) for s in req.seqs]
+            if not plan or not self._seq_room(req):
                 break
-            if not self.blocks.can_allocate(*self._admission_tokens(req)):
+            slots = self._admission_tokens(req, dict((s.seq_id, n) for s, n in plan))
+            if not self.blocks.can_allocate(*slots):
                 break
             reserve = self.config.admission == "reserve"
-            for s, n in zip(req.seqs, self._admission_tokens(req)):
-                self.blocks.allocate(s.seq_id, s.num_tokens, reserve_tokens=n if reserve else None)
+            for s, n in zip(req.seqs, slots):
+                self.blocks.allocate(s.seq_id, s.num_computed if reserve else n,
+                                     reserve_tokens=n if reserve else None)
+            for s, n in plan:
+                if reserve:
+                    self.blocks.reserve(s.seq_id, s.num_computed + n)
+                out.seqs.append(ScheduledSeq(s, n))
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
             out.requests.append(req)
-            budget -= need
+            budget -= sum(n for _, n in plan)
 
-    def _admission_tokens(self, req: Request) -> list[int]:
-        """Slots each sequence needs on admission: what it has, or its maximum length."""
+    def _admission_tokens(self, req: Request, plan: dict[int, int]) -> list[int]:
+        """Slots each sequence needs on admission: what it computes now (``plan``: seq id ->
+        tokens), or (reserve) its maximum length."""
         if self.config.admission == "reserve":
             cap = min(req.max_total_tokens, self.max_seq_len)
             return [max(cap, s.num_tokens) for s in req.seqs]
-        return [s.num_tokens for s in req.seqs]
+        return [s.num_computed + plan.get(s.seq_id, 0) for s in req.seqs]

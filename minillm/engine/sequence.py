@@ -11,8 +11,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ..config import SamplingParams
+
+if TYPE_CHECKING:
+    from .detokenizer import IncrementalDetokenizer
 
 
 class Status(enum.Enum):
@@ -36,7 +40,9 @@ class Sequence:
     num_computed: int = 0
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None   # "stop" (EOS or a stop string), "length", "abort"
-    text: str = ""
+    detok: IncrementalDetokenizer | None = None   # the text so far, grown token by token
+    delta: str = ""                    # text added since the last output
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, if asked
 
     @property
     def num_tokens(self) -> int:
@@ -55,9 +61,11 @@ class Sequence:
         return self.finish_reason is not None
 
     def fork(self) -> Sequence:
-        """A copy with a new id (its blocks are forked by the block manager)."""
+        """A copy with a new id (its blocks are forked by the block manager, its detokenizer
+        by the engine)."""
         return Sequence(list(self.token_ids), self.prompt_len, num_computed=self.num_computed,
-                        cumulative_logprob=self.cumulative_logprob, text=self.text)
+                        cumulative_logprob=self.cumulative_logprob,
+                        logprobs=list(self.logprobs))
 
 
 @dataclass
@@ -94,6 +102,8 @@ class Request:
     done: list[Sequence] = field(default_factory=list)     # finished sequences (beams, samples)
     metrics: Metrics = field(default_factory=lambda: Metrics(time.perf_counter()))
     arrival_index: int = field(default_factory=lambda: next(_seq_ids))
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    last_prompt_logits: Any = None   # [1, vocab], predicts the next chunk's first token
 
     def __post_init__(self) -> None:
         if not self.seqs:

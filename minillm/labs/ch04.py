@@ -37,7 +37,8 @@ def check_blocks_needed(fn: Callable[[int, int], int]) -> Result:
 def _admitted(prompt_lens, num_blocks, block_size, max_num_seqs, max_batched_tokens) -> int:
     blocks = BlockManager(num_blocks, block_size, watermark=0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_batched_tokens), blocks, 10**6)
+                                      max_num_batched_tokens=max_batched_tokens,
+                                      enable_chunked_prefill=False), blocks, 10**6)
     for i, n in enumerate(prompt_lens):
         sched.add(Request(str(i), [1] * n, SamplingParams(max_tokens=1)))
     return len(sched.schedule().requests)
@@ -47,7 +48,8 @@ def check_fcfs_admit(fn: Callable[..., int]) -> Result:
     """``fn(prompt_lens, num_free_blocks, block_size, max_num_seqs, max_batched_tokens)`` ->
     how many requests at the head of a FCFS queue (prompt lengths in arrival order) the
     package's scheduler admits into an empty paged engine in one step: in order, no skipping,
-    while sequences, the token budget (the first request is always let in) and blocks allow.
+    while sequences, the token budget (the first request is always let in) and blocks allow;
+    whole prompts only (chunked prefill off: chapter 07 splits them).
     Compared with :class:`~minillm.engine.scheduler.Scheduler` on random queues."""
     rng = random.Random(0)
     cases = [([10, 20, 30], 100, 16, 8, 4096), ([40, 1, 1], 2, 16, 8, 4096),

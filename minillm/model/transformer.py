@@ -5,6 +5,8 @@ FFN is a SwiGLU or, when the config has experts, a mixture of experts.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import nn
 
@@ -63,25 +65,41 @@ class Transformer(nn.Module):
         """input_ids [B, T] -> final normed hidden states [B, T, D].
 
         Without ``positions`` the tokens sit at cache.seen, cache.seen + 1, ... (0, 1, ... with
-        no cache). With a cache, their K/V are stored and ``cache.advance(T)`` is called.
+        no cache) and must fit the context window; explicit ``positions`` ([T] or [B, T]) are
+        the caller's to check (reading them here would stall a GPU). With a cache, their K/V
+        are stored and ``cache.advance(T)`` is called.
         """
+        return self.forward_layers(input_ids, cache, positions)[0]
+
+    def forward_layers(self, input_ids: torch.Tensor, cache=None,
+                       positions: torch.Tensor | None = None, keep: Collection[int] = ()
+                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`hidden_states`, plus the residual stream after each layer in ``keep``:
+        (final normed [B, T, D], {layer: [B, T, D]}) from the same pass (drafters such as
+        EAGLE read a target's hidden states)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         t = input_ids.shape[1]
         if positions is None:
             start = cache.seen if cache is not None else 0
+            if start + t > self.cfg.max_seq_len:
+                raise ValueError(f"sequence length {start + t} exceeds the context window "
+                                 f"max_seq_len={self.cfg.max_seq_len}")
             positions = torch.arange(start, start + t, device=input_ids.device)
-        if int(positions.max()) >= self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {int(positions.max()) + 1} exceeds the context "
-                             f"window max_seq_len={self.cfg.max_seq_len}")
+        bad = [i for i in keep if not 0 <= i < self.cfg.n_layers]
+        if bad:
+            raise ValueError(f"keep must name layers in [0, {self.cfg.n_layers}), got {bad}")
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.dtype)
         cos, sin = _heads_axis(cos), _heads_axis(sin)
         x = self.embed(input_ids)
-        for layer in self.layers:
+        kept = {}
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache)
+            if i in keep:
+                kept[i] = x
         if cache is not None:
             cache.advance(t)
-        return self.norm(x)
+        return self.norm(x), kept
 
     def forward(self, input_ids: torch.Tensor, cache=None, positions: torch.Tensor | None = None,
                 last_only: bool = False) -> torch.Tensor:
