@@ -20,7 +20,8 @@ timeout 200 python3 benchmarks/gpu_check.py --out "$res/gpu_model_check.json" ||
 timeout 240 python3 benchmarks/kernels_bench.py --out "$res/kernels_gpu.json" || status=1
 # 3. appendix A2: copy bandwidth by size, matmul rates per dtype, divergence, occupancy
 timeout 150 python3 benchmarks/a2_gpu_check.py --out "$res/a2_gpu.json" || status=1
-# 4. chapter 04 engine: Triton paged backend == sdpa backend == alone; throughput vs HF
-timeout 150 python3 benchmarks/gpu_engine_check.py --out "$res/engine_gpu.json" || status=1
+# 4. the engine: every path (chunked prefill, swap, n > 1, beams) with the Triton and sdpa
+#    backends == each request alone, at SmolLM2 and Llama-3.2-1B shapes; throughput vs HF
+timeout 200 python3 benchmarks/gpu_engine_check.py --out "$res/engine_gpu.json" || status=1
 if [ -n "${OUT:-}" ]; then cp "$res"/*.json "$OUT"/ 2>/dev/null || true; fi
 exit $status

@@ -1,9 +1,15 @@
-"""The serving engine on a GPU: the Triton paged backend against the sdpa one, then throughput.
+"""The serving engine on a GPU: every engine path against the same requests run one at a time,
+then throughput.
 
-1. Correctness at SmolLM2's shape (seeded random weights, fp32, TF32 off): a mixed batch of
-   greedy requests through the engine with the Triton paged kernels (the CUDA default) and with
-   the sdpa gather backend, and each request alone through the contiguous-cache loop.
-2. ``bench throughput`` (bf16): the engine vs HF transformers' static padded batches.
+1. Correctness at SmolLM2's and Llama-3.2-1B's shapes (seeded random weights, fp32, TF32 off):
+   a batch of greedy requests through the engine with the Triton paged kernels (the CUDA
+   default) and with the sdpa gather backend, each under: plain continuous batching, chunked
+   prefill with a small token budget, a pool so small that swap preemption must happen, n = 3
+   parallel samples, beam search; compared with each request alone on the same device (the
+   contiguous-cache loop, or the engine with one request for n > 1 and beams). Every run must
+   end with every block free.
+2. The CUDA swap ordering: blocks swapped out and read back on the host right away.
+3. ``bench throughput`` (bf16): the engine vs HF transformers' static padded batches.
 
     python benchmarks/gpu_engine_check.py --out benchmarks/results/engine_gpu.json
 On a CPU it runs too, at a small size (``--requests 4``), as a smoke test of the script.
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -24,30 +31,69 @@ from minillm.device import resolve_device
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.generate import generate
 
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+PATHS = {  # engine options and sampling of each checked path
+    "continuous": ({}, GREEDY),
+    "chunked_prefill": ({"max_num_batched_tokens": 64, "max_num_seqs": 16}, GREEDY),
+    "swap": ({"num_kv_blocks": 40, "block_size": 16, "watermark": 0.0,
+              "preemption": "swap"}, GREEDY),
+    "n3": ({}, SamplingParams(temperature=0.0, max_tokens=12, n=3, ignore_eos=True)),
+    "beam2": ({}, SamplingParams(beam_width=2, n=2, max_tokens=8)),
+}
 
-def backends_agree(device: torch.device, n: int) -> dict:
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list]:
+    ids = [engine.add_request(p, params) for p in prompts]
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: [c.token_ids for c in o.outputs]
+                     for o in engine.step() if o.finished})
+    engine.blocks.check()
+    assert engine.blocks.num_free == engine.blocks.num_blocks, "blocks leaked"
+    return [outs[i] for i in ids]
+
+
+def paths_agree(name: str, device: torch.device, n: int) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
-    model, _ = load_model("smollm2-135m", device=device, dtype=torch.float32,
-                          random_weights=True)
+    model, _ = load_model(name, device=device, dtype=torch.float32, random_weights=True)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 49152, (int(k),), generator=g).tolist()
+    prompts = [torch.randint(10, model.cfg.vocab_size, (int(k),), generator=g).tolist()
                for k in torch.randint(3, 300, (n,), generator=g)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    result = {"requests": n}
-    alone = [generate(model, p, params) for p in prompts]
-    for backend in ("triton", "sdpa") if device.type == "cuda" else ("sdpa",):
-        engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=2048,
-                                                     attention_backend=backend))
-        for p in prompts:
-            engine.add_request(p, params)
-        outs = {}
-        while engine.has_unfinished():
-            outs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-        got = [outs[str(i)] for i in range(n)]
-        same = sum(a == b for a, b in zip(got, alone))
-        result[f"{backend}_equal_to_alone"] = f"{same}/{n}"
-        assert engine.blocks.num_free == engine.blocks.num_blocks
+    backends = ("triton", "sdpa") if device.type == "cuda" else ("sdpa",)
+    result, refs = {}, {}
+    for path, (options, params) in PATHS.items():
+        start = time.perf_counter()
+        if params not in refs and params.n == 1 and params.beam_width == 1:
+            refs[params] = [[generate(model, p, params)] for p in prompts]
+        elif params not in refs:  # for forks and beams: the engine with one request at a time
+            refs[params] = [run(LLMEngine(model, None, EngineConfig(num_kv_blocks=512)), [p],
+                                params)[0] for p in prompts[:4]]
+        alone = refs[params]
+        for backend in backends:
+            engine = LLMEngine(model, None, EngineConfig(
+                **{"num_kv_blocks": 2048, **options, "attention_backend": backend}))
+            got = run(engine, prompts[:len(alone)], params)
+            same = sum(a == b for a, b in zip(got, alone))
+            preempted = sum(len(r.preempted) for r in engine.trace)
+            result[f"{path}/{backend}"] = {"equal_to_alone": f"{same}/{len(alone)}",
+                                           "preemptions": preempted}
+        result[f"{path}/seconds"] = round(time.perf_counter() - start, 2)
     return result
+
+
+def swap_is_ordered(device: torch.device) -> dict:
+    """Fill device blocks, swap them out, overwrite them on the device at once, and check the
+    CPU pool holds the old contents (a host read before the copy finished would not)."""
+    from minillm.cache.pool import PagedKVPool
+    from minillm.config import get_preset
+
+    cfg = get_preset("smollm2-135m")
+    pool = PagedKVPool(cfg, 64, 16, device, torch.float32, num_cpu_blocks=64)
+    want = torch.randn(pool.k[:, :32].shape, device=device)
+    pool.k[:, :32] = want
+    pool.swap_out([(b, b) for b in range(32)])
+    pool.k.zero_()
+    return {"swap_out_equal": bool(torch.equal(pool.cpu_k[:, :32], want.cpu()))}
 
 
 def main() -> None:
@@ -56,14 +102,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None)
     args = ap.parse_args()
     dev = resolve_device(None)
-    n = args.requests or (64 if dev.type == "cuda" else 4)
-    report = {**machine_info(dev, torch.get_num_threads()),
-              "backends": backends_agree(dev, min(n, 16))}
-    print(report["backends"], flush=True)
-    bench = run_throughput_bench("smollm2-135m", num_requests=n, random_weights=True,
-                                 peers=("hf",), hf_batch=32 if dev.type == "cuda" else 2)
+    n = args.requests or (32 if dev.type == "cuda" else 4)
+    report = {**machine_info(dev, torch.get_num_threads()), "swap": swap_is_ordered(dev)}
+    for name in ("smollm2-135m", "llama-3.2-1b") if dev.type == "cuda" else ("tiny",):
+        report[f"paths/{name}"] = paths_agree(name, dev, min(n, 16))
+        print(name, report[f"paths/{name}"], flush=True)
+    bench = run_throughput_bench("smollm2-135m" if dev.type == "cuda" else "tiny",
+                                 num_requests=n, random_weights=True, peers=("hf",),
+                                 hf_batch=32 if dev.type == "cuda" else 2)
     report["throughput"] = {k: bench[k] for k in ("results", "ratios", "minillm_stats",
-                                                  "output_tokens", "prompt_tokens")}
+                                                  "output_tokens", "prompt_tokens", "dtype")}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")

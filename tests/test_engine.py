@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import minillm
 from minillm import SamplingParams
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.generate import generate
@@ -316,18 +317,23 @@ def test_llm_with_quantized_weights_equals_the_quantized_model_alone():
 
 
 def test_throughput_bench_counts_every_requested_token(tmp_path):
-    """The benchmark's plumbing on the tiny model with HF as the peer (same weights)."""
-    from minillm.bench.throughput import run_throughput_bench, throughput_table
+    """The benchmark's plumbing on the tiny model with HF as the peer (same weights): the
+    engine generated exactly the output tokens of the workload, as drawn again here from the
+    same seed, and computed each prompt and output token once (no preemption)."""
+    from minillm.bench.throughput import make_workload, run_throughput_bench, throughput_table
     from minillm.viz.bench import plot_throughput
 
-    report = run_throughput_bench("tiny", num_requests=4, device="cpu", hf_batch=2,
-                                  peers=("hf",), prompt_range=(4, 12), output_range=(3, 6),
-                                  say=lambda msg: None, max_num_seqs=3)
-    minillm_row, hf_row = report["results"]
-    assert minillm_row["engine"] == "minillm" and hf_row["engine"] == "hf"
-    rate_times_time = minillm_row["output_tok_s"] * minillm_row["seconds"]
-    assert rate_times_time == pytest.approx(report["output_tokens"])
-    assert 3 * 4 <= report["output_tokens"] <= 6 * 4
-    assert set(report["ratios"]) == {"minillm/hf"} and report["minillm_stats"]["steps"] > 0
+    report = run_throughput_bench("tiny", num_requests=4, dtype="float32", device="cpu",
+                                  hf_batch=2, peers=("hf",), prompt_range=(4, 12),
+                                  output_range=(3, 6), say=lambda msg: None, max_num_seqs=3)
+    work = make_workload(minillm.load_model("tiny")[1], 4, (4, 12), (3, 6), seed=0)
+    stats = report["minillm_stats"]
+    assert stats["finished_requests"] == 4 and stats["preemptions"] == 0
+    assert stats["generated_tokens"] == report["output_tokens"] == sum(work.output_lens)
+    prompt_tokens = sum(map(len, work.prompts))
+    assert report["prompt_tokens"] == prompt_tokens
+    assert stats["computed_tokens"] == prompt_tokens + sum(work.output_lens) - 4
+    assert [r["engine"] for r in report["results"]] == ["minillm", "hf"]
+    assert set(report["ratios"]) == {"minillm/hf"} and report["dtype"] == "float32"
     assert "minillm/hf" in throughput_table(report)
     assert plot_throughput(report).axes

@@ -460,3 +460,19 @@ def test_real_model_streams_multibyte_text(real):
     assert "".join(pieces) == out.text and not any("\ufffd" in p for p in pieces)
     assert any(ord(ch) > 0x2FFF for ch in out.text)        # it did write CJK or emoji
     assert_all_free(llm.engine)
+
+
+def test_swap_out_is_complete_when_it_returns():
+    """Blocks swapped out and overwritten on the device right away: the CPU pool holds the old
+    contents. On CUDA this catches a host read of an unfinished device-to-host copy."""
+    from minillm.cache.pool import PagedKVPool
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pool = PagedKVPool(get_preset("tiny"), 64, 16, device, torch.float32, num_cpu_blocks=64)
+    want = torch.randn(pool.k[:, :32].shape, device=device)
+    pool.k[:, :32] = want
+    pool.swap_out([(b, 63 - b) for b in range(32)])
+    pool.k.zero_()
+    assert torch.equal(pool.cpu_k[:, 63 - torch.arange(32)], want.cpu())
+    pool.swap_in([(63 - b, b) for b in range(32)])
+    assert torch.equal(pool.k[:, :32], want)

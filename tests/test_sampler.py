@@ -158,13 +158,23 @@ def test_top_k_keeps_every_token_tied_at_the_kth_value():
     assert (probs > 0).tolist() == [[True, True, True, False, True]]
 
 
+def test_logprobs_are_skipped_when_nobody_asks():
+    logits = torch.randn(3, 64)
+    out = sample_rows(logits, batch_of([SamplingParams(temperature=0)] * 3, [None] * 3))
+    assert out.token_ids == logits.argmax(-1).tolist() and out.logprobs == [0.0] * 3
+    asked = batch_of([SamplingParams(temperature=0, logprobs=0)] * 3, [None] * 3)
+    assert asked.chosen_logprobs and sample_rows(logits, asked).logprobs != [0.0] * 3
+
+
 @pytest.mark.parametrize("n", [0, 1, 5])
 def test_logprobs_are_the_raw_model_distribution(n):
     """Chosen and top-n logprobs = float64 log_softmax of the raw logits, not the tempered or
     filtered distribution the token was drawn from."""
     torch.manual_seed(1)
     logits = torch.randn(len(KINDS), 64) * 3
-    out = sample_rows(logits, batch_of(KINDS, [gen(i) for i in range(len(KINDS))], logprobs=n))
+    batch = batch_of(KINDS, [gen(i) for i in range(len(KINDS))], logprobs=n)
+    batch.chosen_logprobs = True    # the chosen token's logprob even when no top-n is asked
+    out = sample_rows(logits, batch)
     ref = torch.log_softmax(logits.double(), dim=-1)
     for i, tok in enumerate(out.token_ids):
         assert out.logprobs[i] == pytest.approx(ref[i, tok].item(), abs=1e-5)

@@ -24,7 +24,7 @@ import torch
 from ..checkpoint.gguf import find_smollm2_gguf
 from ..checkpoint.loader import REAL_MODEL, load_model
 from ..config import SamplingParams
-from ..device import resolve_device, resolve_dtype
+from ..device import fastest_cpu_dtype, resolve_device, resolve_dtype
 from ..engine import EngineConfig, LLMEngine
 from ..evaluate import sample_ids
 from .common import dtype_name, format_table, llama_cpp_available, load_hf_peer, machine_info, timed
@@ -86,11 +86,12 @@ def run_minillm(model, tok, work: Workload, **options) -> dict:
     outs = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.finished]
-    assert sum(len(o.token_ids) for o in outs) == work.output_tokens
     ttft = sorted(o.ttft for o in outs)
     tpot = sorted(o.tpot for o in outs if o.tpot is not None)
-    stats = {"steps": len(engine.trace), "peak_blocks_used": max(r.blocks_used
-                                                                 for r in engine.trace),
+    stats = {"steps": engine.num_steps, "finished_requests": len(outs),
+             "generated_tokens": sum(len(o.token_ids) for o in outs),
+             "computed_tokens": sum(sum(r.scheduled.values()) for r in engine.trace),
+             "peak_blocks_used": max(r.blocks_used for r in engine.trace),
              "num_blocks": engine.blocks.num_blocks,
              "preemptions": sum(o.metrics.num_preemptions for o in outs),
              "ttft_p50_s": ttft[len(ttft) // 2], "tpot_p50_s": tpot[len(tpot) // 2]}
@@ -136,7 +137,9 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
     model file); HF then gets the same weights through
     :func:`minillm.checkpoint.hf_interop.to_hf_model`."""
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    dt, dtype_reason = resolve_dtype(dtype, dev), "given" if dtype else "the device's default"
+    if dtype is None and dev.type == "cpu":
+        dt, dtype_reason = fastest_cpu_dtype()
     if threads:
         torch.set_num_threads(threads)
     threads = torch.get_num_threads()
@@ -169,6 +172,7 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
     return {"benchmark": "throughput", "model": model_name, "num_requests": num_requests,
             "prompt_tokens": sum(map(len, work.prompts)), "output_tokens": work.output_tokens,
             "seed": seed, "random_weights": random_weights, "engine_options": engine_options,
+            "dtype": dtype_name(dt), "dtype_reason": dtype_reason,
             "minillm_stats": stats,
             **machine_info(dev, threads),
             "results": [asdict(r) for r in results],

@@ -270,7 +270,9 @@ class LLMEngine:
                 gens.append(self._generators[req.request_id])
         if rows:
             batch = SamplingBatch.from_params(params, gens, logits.device)
-            out = sample_rows(logits[torch.tensor(rows, device=logits.device)], batch)
+            picked = logits if rows == list(range(len(logits))) else \
+                logits[torch.tensor(rows, device=logits.device)]     # (a copy: only if needed)
+            out = sample_rows(picked, batch)
             for i, (req, s) in enumerate(owners):
                 top = out.top[i][:req.params.logprobs] if req.params.logprobs else None
                 self._append(req, s, out.token_ids[i], out.logprobs[i], top)

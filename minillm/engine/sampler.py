@@ -38,7 +38,9 @@ class SamplingBatch:
 
     temperature: [R] float32 (0 = greedy); top_k: [R] int64 (0 = off); top_p: [R] float32
     (1 = off); generators: R entries, None for a row drawn from the global RNG (a request's
-    rows may share one generator: they draw from it in row order); logprobs: the most top-n
+    rows may share one generator: they draw from it in row order); chosen_logprobs False skips
+    the log-probabilities (a full-vocabulary log_softmax) when no row wants them; logprobs: the
+    most top-n
     alternatives any row asks for (0 = none). ``greedy`` and ``use_filters`` are host-side
     facts that let :func:`sample_rows` skip work without reading the tensors back: greedy[i]
     is temperature[i] == 0 (None: read from ``temperature`` once, here), use_filters False
@@ -50,6 +52,7 @@ class SamplingBatch:
     top_p: torch.Tensor
     generators: list[torch.Generator | None]
     logprobs: int = 0
+    chosen_logprobs: bool = True
     greedy: list[bool] | None = None
     use_filters: bool = True
 
@@ -102,6 +105,8 @@ class SamplingBatch:
             top_k=torch.tensor(top_k, dtype=torch.long, device=device),
             top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
             generators=list(generators), logprobs=max(wanted), greedy=greedy,
+            chosen_logprobs=logprobs > 0 or any(getattr(p, "logprobs", None) is not None
+                                                for p in params),
             use_filters=any(not g and (k > 0 or p < 1) for g, k, p in zip(greedy, top_k, top_p)))
 
 
@@ -110,8 +115,9 @@ class SamplerOutput:
     """What :func:`sample_rows` returns, as plain Python values (R rows).
 
     token_ids[i]: the chosen token; logprobs[i]: its log-probability under log_softmax of the
-    raw logits; top[i]: the batch's ``logprobs`` most likely (token, logprob) pairs of that
-    distribution, most likely first (empty lists when logprobs is 0).
+    raw logits (0.0 when the batch's chosen_logprobs is False); top[i]: the batch's
+    ``logprobs`` most likely (token, logprob) pairs of that distribution, most likely first
+    (empty lists when logprobs is 0).
     """
 
     token_ids: list[int]
@@ -187,9 +193,12 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if not all(batch.greedy):
         drawn = _draw(filtered_probs(logits, batch), batch)
         tokens = torch.where(batch.temperature == 0, tokens, drawn)
+    n = batch.logprobs
+    if not (batch.chosen_logprobs or n):                               # nobody asked: skip
+        host = tokens.tolist()                                         # the one sync
+        return SamplerOutput(token_ids=host, logprobs=[0.0] * len(host), top=[[]] * len(host))
     logp = logits.float().log_softmax(dim=-1)                          # [R, V] model's own
     parts = [tokens[:, None].double(), logp.gather(1, tokens[:, None]).double()]
-    n = batch.logprobs
     if n:
         top = logp.topk(n, dim=-1)
         parts += [top.indices.double(), top.values.double()]
