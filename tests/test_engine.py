@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_checks import assert_all_free, prompts_of, run_all, sharp_model
 
 import minillm
 from minillm import SamplingParams
@@ -16,35 +17,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny64():
-    """The tiny random model in float64, so batched and alone agree to the last bit of argmax."""
-    import minillm
+    """A tiny model whose attention matters (see engine_checks.sharp_model), in float64 so that
+    batched and alone agree to the last bit of argmax, with SmolLM2's tokenizer."""
+    from minillm.checkpoint.loader import smollm2_tokenizer
 
-    model, tok = minillm.load_model("tiny", device="cpu", dtype=torch.float64)
-    return model, tok
-
-
-def prompts_of(lengths, seed=0, vocab=1000):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def run_all(engine: LLMEngine, prompts, params, priorities=None):
-    ids = [engine.add_request(p, params, priority=(priorities or [0] * len(prompts))[i])
-           for i, p in enumerate(prompts)]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert_all_free(engine)
-    return [done[i] for i in ids]
-
-
-def assert_all_free(engine: LLMEngine):
-    engine.blocks.check()
-    assert engine.blocks.num_free == engine.blocks.num_blocks
-    assert engine.blocks.cpu.num_free == engine.blocks.cpu.num_blocks
-    assert not engine.requests
+    return sharp_model(max_seq_len=512), smollm2_tokenizer()
 
 
 def alone(model, prompts, params):

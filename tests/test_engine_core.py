@@ -12,27 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_checks import assert_all_free, prompts_of, run_all, sharp_model
 
 import minillm
 from minillm import SamplingParams
-from minillm.checkpoint import random_model
 from minillm.config import get_preset
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from minillm.generate import generate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-def sharp_model(dtype=torch.float64, max_seq_len: int = 4096, seed: int = 3):
-    """The tiny preset's shape with a long window and the attention weights x 4 (q and k:
-    peaked attention; v and o: what attention reads outweighs the token's own embedding)."""
-    model = random_model(get_preset("tiny").with_(max_seq_len=max_seq_len), seed)
-    with torch.no_grad():
-        for layer in model.layers:
-            for w in (layer.attn.wq, layer.attn.wk, layer.attn.wv, layer.attn.wo):
-                w.weight.mul_(4.0)
-    return model.to(dtype).eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="module")
@@ -45,29 +34,6 @@ def tok():
     from minillm.checkpoint.loader import smollm2_tokenizer
 
     return smollm2_tokenizer()
-
-
-def prompts_of(lengths, seed=0, vocab=2000):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def run_all(engine: LLMEngine, prompts, params):
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert_all_free(engine)
-    return [done[i] for i in ids]
-
-
-def assert_all_free(engine: LLMEngine):
-    engine.blocks.check()
-    assert engine.blocks.num_free == engine.blocks.num_blocks
-    assert engine.blocks.slots_in_use() == 0 and not engine.requests
 
 
 @torch.no_grad()

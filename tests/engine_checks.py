@@ -1,0 +1,50 @@
+"""What the engine tests share: a model whose outputs depend on their context, prompts, a loop
+that runs requests to the end, and the check that nothing leaks."""
+from __future__ import annotations
+
+import torch
+
+from minillm import SamplingParams
+from minillm.checkpoint import random_model
+from minillm.config import get_preset
+from minillm.engine import LLMEngine
+
+
+def sharp_model(dtype=torch.float64, max_seq_len: int = 4096, seed: int = 3):
+    """The tiny preset's shape with a long window and the attention weights x 4 (q and k:
+    peaked attention; v and o: what attention reads outweighs the token's own embedding), so
+    that a wrong KV cache changes the greedy tokens (``test_context_matters``)."""
+    model = random_model(get_preset("tiny").with_(max_seq_len=max_seq_len), seed)
+    with torch.no_grad():
+        for layer in model.layers:
+            for w in (layer.attn.wq, layer.attn.wk, layer.attn.wv, layer.attn.wo):
+                w.weight.mul_(4.0)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def prompts_of(lengths, seed=0, vocab=2000):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def run_all(engine: LLMEngine, prompts, params: SamplingParams | list[SamplingParams],
+            priorities=None):
+    """Run every prompt to the end (one SamplingParams, or one per prompt); outputs in order;
+    then every block must be free."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    priorities = priorities or [0] * len(prompts)
+    ids = [engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, params, priorities)]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert_all_free(engine)
+    return [done[i] for i in ids]
+
+
+def assert_all_free(engine: LLMEngine):
+    engine.blocks.check()
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert engine.blocks.cpu.num_free == engine.blocks.cpu.num_blocks
+    assert engine.blocks.slots_in_use() == 0 and not engine.requests
