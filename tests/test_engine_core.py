@@ -442,3 +442,26 @@ def test_swap_out_is_complete_when_it_returns():
     assert torch.equal(pool.cpu_k[:, 63 - torch.arange(32)], want.cpu())
     pool.swap_in([(63 - b, b) for b in range(32)])
     assert torch.equal(pool.k[:, :32], want)
+
+
+def test_static_buffers_give_the_same_tokens_at_fixed_addresses(sharp):
+    """With ``static_buffers`` every step's inputs and metadata live in tensors allocated once
+    (what CUDA graph replay needs): same outputs as fresh tensors, same addresses every step."""
+    prompts = prompts_of([7, 30, 12])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = run_all(LLMEngine(sharp, None, EngineConfig(num_kv_blocks=60)), prompts, params)
+    engine = LLMEngine(sharp, None, EngineConfig(num_kv_blocks=60, static_buffers=True))
+    seen = set()
+    original = engine.runner.attn
+
+    def spy(q, k, v, k_cache, v_cache, meta):
+        seen.add((meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
+                  meta.seq_lens.data_ptr()))
+        return original(q, k, v, k_cache, v_cache, meta)
+
+    engine.runner.attn = spy
+    fixed = run_all(engine, prompts, params)
+    assert [o.token_ids for o in fixed] == [o.token_ids for o in plain]
+    buffers = engine.runner.buffers
+    assert seen == {(buffers.slot_mapping.data_ptr(), buffers.block_tables.data_ptr(),
+                     buffers.seq_lens.data_ptr())}

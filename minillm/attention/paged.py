@@ -106,13 +106,50 @@ def batch_order(ctx_lens: Sequence[int], q_lens: Sequence[int],
     return sorted(range(len(q_lens)), key=lambda i: key[i])
 
 
+class StepBuffers:
+    """Device tensors that a step's inputs and metadata are copied into, allocated once, so
+    they sit at the same addresses every step: what replaying a captured CUDA graph of the
+    decode step needs (it reads input ids, positions, slots, block tables and lengths from
+    here). Sized for ``max_rows`` new tokens of ``max_seqs`` sequences of up to ``max_blocks``
+    blocks; :meth:`fill` returns None when a step does not fit (it then uses fresh tensors)."""
+
+    def __init__(self, max_rows: int, max_seqs: int, max_blocks: int,
+                 device: torch.device) -> None:
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.input_ids, self.positions, self.slot_mapping = (zeros(max_rows) for _ in range(3))
+        self.block_tables = zeros(max_seqs, max_blocks, dtype=torch.int32)
+        self.seq_lens = zeros(max_seqs, dtype=torch.int32)
+        self.cu_seqlens_q = zeros(max_seqs + 1, dtype=torch.int32)
+
+    def fill(self, **values: list) -> dict[str, torch.Tensor] | None:
+        """Copy each list into the buffer of that name; returns the filled views (block tables:
+        [S, max_blocks], zero-padded), or None if something is too large."""
+        out = {}
+        for name, rows in values.items():
+            buf = getattr(self, name)
+            data = torch.tensor(rows, dtype=buf.dtype)
+            if data.shape[0] > buf.shape[0] or (data.dim() == 2 and data.shape[1] > buf.shape[1]):
+                return None
+            view = buf[:data.shape[0]]
+            if data.dim() == 2:
+                view.zero_()
+                view[:, :data.shape[1]].copy_(data, non_blocking=True)
+            else:
+                view.copy_(data, non_blocking=True)
+            out[name] = view
+        return out
+
+
 def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: list[int],
                    block_size: int, device: torch.device,
                    masks: Sequence[torch.Tensor | None] | None = None,
-                   q_per_kv: int = 1) -> PagedMetadata:
+                   q_per_kv: int = 1, buffers: StepBuffers | None = None) -> PagedMetadata:
     """Metadata for S sequences from their block tables and token counts (Python lists), in
     the order given (see :func:`batch_order`). ``masks[i]``: bool [q_lens[i], q_lens[i]] or
-    None (causal); ``q_per_kv``: query heads per KV head (GQA)."""
+    None (causal); ``q_per_kv``: query heads per KV head (GQA); ``buffers``: write the tensors
+    into these (:class:`StepBuffers`) instead of fresh ones."""
     masks = list(masks) if masks is not None else [None] * len(q_lens)
     for i, (m, n) in enumerate(zip(masks, q_lens)):
         if m is not None and tuple(m.shape) != (n, n):
@@ -123,15 +160,20 @@ def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: l
         slots += [table[p // block_size] * block_size + p % block_size
                   for p in range(start, start + n)]
     width = max(len(t) for t in block_tables)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+    tables = [t + [0] * (width - len(t)) for t in block_tables]
     lens = [c + n for c, n in zip(ctx_lens, q_lens)]
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
-    meta = PagedMetadata(torch.tensor(slots, dtype=torch.long, device=device),
-                         tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
-                         torch.tensor(starts, dtype=torch.int32, device=device),
-                         list(q_lens), list(ctx_lens), starts[:-1], block_size,
+    filled = buffers.fill(slot_mapping=slots, block_tables=tables, seq_lens=lens,
+                          cu_seqlens_q=starts) if buffers is not None else None
+    if filled is None:
+        filled = {"slot_mapping": torch.tensor(slots, dtype=torch.long, device=device),
+                  "block_tables": torch.tensor(tables, dtype=torch.int32, device=device),
+                  "seq_lens": torch.tensor(lens, dtype=torch.int32, device=device),
+                  "cu_seqlens_q": torch.tensor(starts, dtype=torch.int32, device=device)}
+    meta = PagedMetadata(**filled, q_lens=list(q_lens), ctx_lens=list(ctx_lens),
+                         starts=starts[:-1], block_size=block_size,
                          has_masks=any(m is not None for m in masks))
     pending: list[int] = []
     for i, (c, n, m) in enumerate(zip(ctx_lens, q_lens, masks)):

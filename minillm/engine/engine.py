@@ -47,7 +47,8 @@ class EngineConfig(SchedulerConfig):
     ``attention_backend`` None is "triton" on CUDA, "sdpa" elsewhere. ``pack_linears`` None
     swaps the model's linears for oneDNN-packed ones (:class:`minillm.model.PackedLinear`, same
     parameters, in place) where that applies: float32 on the CPU. ``trace_steps``: how many
-    recent :class:`StepRecord` s ``LLMEngine.trace`` keeps.
+    recent :class:`StepRecord` s ``LLMEngine.trace`` keeps. ``static_buffers`` (None: on CUDA)
+    keeps each step's inputs in tensors allocated once, ready for CUDA graph capture.
     """
 
     block_size: int = 16
@@ -58,6 +59,7 @@ class EngineConfig(SchedulerConfig):
     attention_backend: str | None = None
     pack_linears: bool | None = None
     trace_steps: int = 10_000
+    static_buffers: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -104,7 +106,8 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size, num_cpu, config.watermark)
         self.scheduler = Scheduler(config.scheduler_config(), self.blocks, model.cfg.max_seq_len)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu, backend,
-                                  config.pack_linears)
+                                  config.pack_linears, config.max_num_batched_tokens,
+                                  config.max_num_seqs, config.static_buffers)
         self.requests: dict[str, Request] = {}
         self.trace: deque[StepRecord] = deque(maxlen=config.trace_steps)
         self.step_hooks: list[StepHook] = []

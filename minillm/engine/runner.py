@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention.paged import batch_order, build_metadata, get_paged_backend
+from ..attention.paged import StepBuffers, batch_order, build_metadata, get_paged_backend
 from ..cache.pool import PagedBatch, PagedKVPool
 from ..model.packed import can_pack_linears, pack_linears
 from ..model.transformer import Transformer
@@ -45,7 +45,12 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int,
                  num_cpu_blocks: int = 0, attention_backend: str = "sdpa",
-                 pack: bool | None = None) -> None:
+                 pack: bool | None = None, max_rows: int = 4096, max_seqs: int = 256,
+                 static_buffers: bool | None = None) -> None:
+        """``static_buffers`` (None: on CUDA) copies every step's inputs and metadata into
+        tensors allocated once (:class:`~minillm.attention.paged.StepBuffers`, ``max_rows``
+        tokens of ``max_seqs`` sequences), so that a decode step can be captured as a CUDA
+        graph."""
         self.model, self.block_size = model, block_size
         if pack or (pack is None and can_pack_linears(model.device, model.dtype)):
             pack_linears(model)
@@ -53,6 +58,11 @@ class ModelRunner:
                                 num_cpu_blocks)
         self.attention_backend = attention_backend
         self.attn = get_paged_backend(attention_backend)
+        if static_buffers is None:
+            static_buffers = model.device.type == "cuda"
+        blocks_per_seq = -(-model.cfg.max_seq_len // block_size)
+        self.buffers = StepBuffers(max_rows, max_seqs, blocks_per_seq, model.device) \
+            if static_buffers else None
 
     def move_blocks(self, plan: SchedulerOutput) -> float:
         """Swap out, swap in, copy-on-write, in that order; returns the seconds taken."""
@@ -88,11 +98,15 @@ class ModelRunner:
         meta = build_metadata([tables[w.seq.seq_id] for w in work],
                               [w.seq.num_computed for w in work], [w.num_tokens for w in work],
                               self.block_size, dev, [masks.get(w.seq.seq_id) for w in work],
-                              q_per_kv=cfg.n_heads // cfg.n_kv_heads)
+                              q_per_kv=cfg.n_heads // cfg.n_kv_heads, buffers=self.buffers)
+        inputs = self.buffers.fill(input_ids=ids, positions=pos) if self.buffers else None
+        if inputs is None:
+            inputs = {"input_ids": torch.tensor(ids, device=dev),
+                      "positions": torch.tensor(pos, device=dev)}
         layers = sorted(set(hidden_layers) - {-1})
-        h, hidden = self.model.forward_layers(torch.tensor([ids], device=dev),
+        h, hidden = self.model.forward_layers(inputs["input_ids"][None],
                                               PagedBatch(self.pool, meta, self.attn),
-                                              torch.tensor(pos, device=dev), layers)
+                                              inputs["positions"], layers)
         hidden = {i: x[0] for i, x in hidden.items()}
         if -1 in hidden_layers:
             hidden[-1] = h[0]
