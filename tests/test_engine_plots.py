@@ -82,7 +82,7 @@ def test_recompute_counted(tiny):
 
 
 def test_plots_and_widget_build(tiny):
-    from minillm.course import widgets
+    from minillm.viz import widgets
 
     _, tok = tiny
     work = make_workload(tok, 3, (10, 20), (3, 5), seed=0)

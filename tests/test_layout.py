@@ -77,7 +77,7 @@ def test_core_never_imports_chapter_material_or_tools():
 
 @pytest.mark.parametrize("planted", [
     "from ..viz import save\n",                          # relative, module level
-    "def f():\n    from minillm.course import widgets\n",  # absolute, inside a function
+    "def f():\n    from minillm.viz import widgets\n",  # absolute, inside a function
     "from .. import labs\n",                             # a package imported as a name
 ])
 def test_layer_check_sees_a_planted_import(planted, tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""Plots: one module per chapter (``ch01`` ... ``a2``, plus ``bench`` for the benchmark reports).
+"""Plots: one module per chapter (``ch01`` ... ``a2``, plus ``bench`` for the benchmark reports
+and ``widgets``, the interactive views of the notebooks).
 
 Every ``plot_*`` function takes plain data (numbers, dicts, lists) and returns a matplotlib
 Figure without saving or showing it; :func:`save` writes one. Figures go into ``figures/`` at the

@@ -15,7 +15,7 @@ def memory_explorer(snapshots, cols: int = 16):
     import ipywidgets as widgets
     from IPython.display import display
 
-    from ..viz.ch04 import plot_memory_map
+    from .ch04 import plot_memory_map
 
     if not snapshots:
         raise ValueError("snapshots must not be empty: run serve(..., snapshots=True)")
