@@ -127,13 +127,19 @@ def _run_torchrun(fn: Callable, world_size: int, args: tuple, backend: str) -> l
     if int(os.environ["WORLD_SIZE"]) != world_size:
         raise ValueError(f"world_size={world_size} but torchrun started "
                          f"{os.environ['WORLD_SIZE']} processes")
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
-    out = _cpu(fn(*args))
-    gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, out)
+    try:
+        out = _cpu(fn(*args))
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, out)
+    finally:
+        if created:   # a group left alive aborts the process at exit ("terminate called ...")
+            dist.barrier()
+            dist.destroy_process_group()
     return gathered
 
 
