@@ -136,3 +136,14 @@ def fastest_cpu_dtype(probe: bool = True) -> tuple[torch.dtype, str]:
                              f"got {value!r}")
         return CPU_DTYPE_CHOICES[value], f"{CPU_DTYPE_ENV}={value} (environment override)"
     return _choose_cpu_dtype(probe)
+
+
+def serving_dtype(dtype: str | torch.dtype | None, device: torch.device
+                  ) -> tuple[torch.dtype, str]:
+    """(dtype, why) for serving: ``dtype`` when given; else on a CPU the faster of float32 and
+    bfloat16 for it (:func:`fastest_cpu_dtype`), elsewhere :func:`resolve_dtype`'s default.
+    ``load_model`` keeps float32 on the CPU (parity and teaching); the engine and its
+    benchmark use this."""
+    if dtype is None and device.type == "cpu":
+        return fastest_cpu_dtype()
+    return resolve_dtype(dtype, device), "given" if dtype is not None else "the device's default"

@@ -126,6 +126,31 @@ def test_prompt_logprobs_across_chunks(sharp):
         assert abs(entry[prompt[i]] - ref[i - 1, prompt[i]]) < 1e-5 and len(entry) in (2, 3)
 
 
+def test_prompt_logprobs_survive_recompute_mid_prompt(sharp):
+    """Preempted (recompute) after two of its four chunks, the prompt is computed again from
+    the start: its prompt logprobs are rewritten, not repeated."""
+    prompt = prompts_of([60], seed=5)[0]
+    engine = LLMEngine(sharp, None, EngineConfig(num_kv_blocks=50, max_num_batched_tokens=16,
+                                                 max_num_seqs=4))
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2,
+                                                    prompt_logprobs=1))
+    engine.step()
+    engine.step()
+    req = engine.requests[rid]
+    assert 0 < len(req.prompt_logprobs) < len(prompt)
+    engine.scheduler.running.remove(req)
+    engine.scheduler._preempt(req, SchedulerOutput())
+    out = None
+    while engine.has_unfinished():
+        out = engine.step() or out
+    ref = full_logprobs(sharp, prompt)
+    got = out[0].prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None
+    assert all(abs(e[prompt[i]] - ref[i - 1, prompt[i]]) < 1e-5
+               for i, e in enumerate(got[1:], start=1))
+    assert_all_free(engine)
+
+
 # ---- the runner: rows, hidden states, tree masks ----------------------------------------------
 def one_step(engine: LLMEngine, seq, n: int, **kw):
     """Run ``n`` tokens of ``seq`` (blocks already reserved) through the runner directly."""

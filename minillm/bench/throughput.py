@@ -24,7 +24,7 @@ import torch
 from ..checkpoint.gguf import find_smollm2_gguf
 from ..checkpoint.loader import REAL_MODEL, load_model
 from ..config import SamplingParams
-from ..device import fastest_cpu_dtype, resolve_device, resolve_dtype
+from ..device import resolve_device, serving_dtype
 from ..engine import EngineConfig, LLMEngine
 from ..evaluate import sample_ids
 from .common import dtype_name, format_table, llama_cpp_available, load_hf_peer, machine_info, timed
@@ -137,9 +137,7 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
     model file); HF then gets the same weights through
     :func:`minillm.checkpoint.hf_interop.to_hf_model`."""
     dev = resolve_device(device)
-    dt, dtype_reason = resolve_dtype(dtype, dev), "given" if dtype else "the device's default"
-    if dtype is None and dev.type == "cpu":
-        dt, dtype_reason = fastest_cpu_dtype()
+    dt, dtype_reason = serving_dtype(dtype, dev)
     if threads:
         torch.set_num_threads(threads)
     threads = torch.get_num_threads()

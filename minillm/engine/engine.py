@@ -370,14 +370,15 @@ class LLMEngine:
     @staticmethod
     def _prompt_logprobs(req: Request, w: ScheduledSeq, result: StepResult) -> None:
         """Add the entries of this chunk's prompt tokens (logits of every row were asked for;
-        the last row of the previous chunk predicts this chunk's first token)."""
+        the last row of the previous chunk predicts this chunk's first token). Entries go by
+        position, so a prompt recomputed after preemption rewrites, not repeats, them."""
         start, n = w.seq.num_computed, w.num_tokens
         rows = result.logits[result.logit_rows[w.seq.seq_id]]
         if start:
             rows = torch.cat([req.last_prompt_logits, rows])
         ids = req.prompt_ids[max(start - 1, 0):start + n]
         entries = prompt_logprobs(rows[:len(ids)], ids, req.params.prompt_logprobs)
-        req.prompt_logprobs += entries[1:] if start else entries
+        req.prompt_logprobs[start:] = entries[1:] if start else entries
         req.last_prompt_logits = rows[-1:]
 
     # ---- editing the KV cache (speculative decoding) ---------------------------------------------

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoint.loader import load_model
 from ..config import SamplingParams
-from ..device import fastest_cpu_dtype, resolve_device
+from ..device import resolve_device, serving_dtype
 from .engine import EngineConfig, LLMEngine
 from .outputs import EngineStats, RequestOutput
 
@@ -30,15 +30,13 @@ class LLM:
     ``engine_options`` are :class:`EngineConfig` fields (block_size, num_kv_blocks, max_num_seqs,
     max_num_batched_tokens, enable_chunked_prefill, batching, policy, admission, preemption,
     ...). With no ``dtype`` on a CPU the faster of float32 and bfloat16 for this machine is
-    picked (:func:`minillm.device.fastest_cpu_dtype`); ``dtype_reason`` says why."""
+    picked (:func:`minillm.device.serving_dtype`); ``dtype_reason`` says why."""
 
     def __init__(self, model: str = "smollm2-135m", *, device=None, dtype=None, seed: int = 0,
                  random_weights: bool = False, quantization: str | None = None,
                  **engine_options) -> None:
         extra = {"quantization": quantization} if quantization else {}
-        self.dtype_reason = "given" if dtype is not None else "the device's default"
-        if dtype is None and resolve_device(device).type == "cpu":
-            dtype, self.dtype_reason = fastest_cpu_dtype()
+        dtype, self.dtype_reason = serving_dtype(dtype, resolve_device(device))
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype, seed=seed,
                                                 random_weights=random_weights, **extra)
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(**engine_options))

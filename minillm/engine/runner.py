@@ -26,9 +26,9 @@ class StepResult:
     """What one forward pass produced.
 
     scheduled: the sequences' work in the order it ran. logits: [R, vocab] (fp32, or the
-    model's dtype if wider), the rows
-    asked for; ``logit_rows[seq_id]`` is the slice of them that belongs to a sequence (empty
-    when it asked for none: a prompt chunk that does not reach the end). ``rows[seq_id]``: the
+    model's dtype if wider), the rows asked for; ``logit_rows[seq_id]`` is the slice of them
+    that belongs to a sequence (empty when it asked for none: a prompt chunk that does not
+    reach the end). ``rows[seq_id]``: the
     sequence's rows of the flat batch [N, ...]. ``hidden[layer]``: [N, D], the residual stream
     after that layer (-1: the final normed states that feed the output head).
     ``move_seconds``: time spent on the block moves (swap, copy-on-write) before the forward.
