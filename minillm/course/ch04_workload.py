@@ -151,6 +151,7 @@ class RequestRecord:
     finished: float | None = None
     output_len: int = 0
     num_preemptions: int = 0
+    token_ids: list[int] = field(default_factory=list)   # the first completion's, so far
 
     @property
     def ttft(self) -> float:
@@ -241,6 +242,7 @@ def serve(engine: LLMEngine, work: Workload, params: SamplingParams | list[Sampl
         for out in outs:
             r = records[out.request_id]
             r.output_len = sum(len(c.token_ids) for c in out.outputs)
+            r.token_ids = list(out.token_ids)
             r.num_preemptions = out.metrics.num_preemptions
             if r.first_token is None and r.output_len:
                 r.first_token = clock
