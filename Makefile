@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup lab test test-fast notebooks bench lint clean
+.PHONY: setup lab test test-fast notebooks bench drafters lint clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,12 @@ notebooks: setup
 
 bench: setup
 	$(BIN)/python -m minillm bench decode
+
+# Chapter 06's drafters: the self-distillation data (about 15 minutes, resumable), then eagle,
+# mtp, medusa and draft_model (about 10 minutes each on 2 CPU cores, resumable) into
+# minillm/spec/weights/.
+drafters: setup
+	$(BIN)/python -m minillm.spec.train all
 
 lint: setup
 	$(BIN)/ruff check minillm kernels tests benchmarks

@@ -279,10 +279,36 @@ def cmd_bench_quant(args: argparse.Namespace) -> int:
     return write_report(args, report, qbench.quant_table(report), plot_quant_bench)
 
 
+def add_bench_spec(sub) -> None:
+    from .bench.spec import DEFAULT_K, METHODS
+
+    p = bench_parser(sub, "spec", "speculative decoding: acceptance and speedup of every drafter")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), help="(default: %(default)s)")
+    p.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 6, 8],
+                   help=f"lookaheads of the k sweep (default: %(default)s; per-kind runs use "
+                        f"{DEFAULT_K})")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64],
+                   help="batch sizes (default: %(default)s)")
+    p.add_argument("--prompts-per-kind", type=int, default=4, help="(default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64, help="(default: %(default)s)")
+    p.add_argument("--dtype", default=None, help="default: what minillm.LLM picks")
+    p.set_defaults(func=cmd_bench_spec)
+
+
+def cmd_bench_spec(args: argparse.Namespace) -> int:
+    from .bench.spec import run_spec_bench, spec_table
+    from .viz.bench import plot_spec
+
+    report = run_spec_bench(args.model, args.methods, args.ks, args.batches,
+                            args.prompts_per_kind, args.max_tokens, args.device, args.dtype,
+                            args.threads, log=log_to_stderr)
+    return write_report(args, report, spec_table(report), plot_spec)
+
+
 #: ``bench`` subcommands.
 BENCH_COMMANDS: dict[str, AddParser] = {"decode": add_bench_decode,
                                         "throughput": add_bench_throughput,
-                                        "quant": add_bench_quant}
+                                        "quant": add_bench_quant, "spec": add_bench_spec}
 
 
 def add_bench(sub) -> None:

@@ -32,6 +32,7 @@ from .runner import ModelRunner, StepResult
 from .sampler import SamplingBatch, prompt_logprobs, sample_rows
 from .scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Request, Sequence, Status
+from .speculation import SpecInput, Speculator, tree_inputs
 
 GiB = 1 << 30
 
@@ -94,7 +95,10 @@ StepHook = Callable[["LLMEngine", StepRecord], None]
 
 class LLMEngine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None,
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None,
+                 speculator: Speculator | None = None) -> None:
+        """``speculator`` (chapter 06; ``minillm.spec.build_speculator``) drafts tokens that
+        each decode step verifies."""
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()
         num_blocks = config.num_kv_blocks or kv_blocks_for_memory(model, config.block_size,
@@ -114,6 +118,31 @@ class LLMEngine:
         self.num_steps = 0
         self._ids = itertools.count()
         self._generators: dict[str, torch.Generator | None] = {}
+        self._forked: dict[int, int] = {}       # child seq id -> parent, this step
+        self._committed: dict[int, list[int]] = {}   # verified seq id -> its kept rows
+        self.speculator: Speculator | None = None
+        if speculator is not None:
+            self.use_speculator(speculator)
+
+    def use_speculator(self, speculator: Speculator) -> None:
+        """Speculate from now on (before any request is added)."""
+        config = self.config
+        need = config.max_num_seqs * (1 + speculator.max_draft_tokens)
+        if config.max_num_batched_tokens < need:
+            raise ValueError(f"speculative decoding needs max_num_batched_tokens >= "
+                             f"max_num_seqs x (1 + draft tokens) = {config.max_num_seqs} x "
+                             f"{1 + speculator.max_draft_tokens} = {need}, got "
+                             f"{config.max_num_batched_tokens}")
+        if self.requests:
+            raise ValueError("use_speculator must be called before requests are added")
+        self.speculator = speculator
+
+    def drafter_blocks(self) -> int:
+        """Blocks a drafter's own cache needs to follow every sequence this engine can hold
+        (on the device or swapped out) and its drafts."""
+        c, bs = self.config, self.blocks.block_size
+        return self.blocks.num_blocks + self.blocks.cpu.num_free + \
+            c.max_num_seqs * (2 + 64 // bs)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -151,6 +180,9 @@ class LLMEngine:
         else:
             ids = [int(i) for i in prompt]
         self.model.cfg.check_prompt(ids)
+        if self.speculator is not None and params.use_beam_search:
+            raise ValueError("beam search (beam_width > 1) cannot be combined with "
+                             "speculative decoding: drafts are verified per sequence")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         width = max(params.n, params.beam_width)
@@ -206,9 +238,17 @@ class LLMEngine:
         want_all = {s.seq_id for r in plan.requests if self._collects_prompt_logprobs(r)
                     for s in r.seqs}
         scheduled = {r.request_id: plan.tokens_of(r) for r in plan.requests}
-        result = self.runner.execute(plan, self.blocks.tables, all_logits=want_all)
+        drafted = {w.seq.seq_id: w.seq.num_draft for w in plan.seqs if w.seq.draft}
+        masks, positions = self._tree_inputs(plan)
+        result = self.runner.execute(plan, self.blocks.tables, all_logits=want_all | drafted.keys(),
+                                     hidden_layers=self.speculator.hidden_layers
+                                     if self.speculator else (),
+                                     masks=masks, positions=positions)
+        starts = {w.seq.seq_id: w.seq.num_computed for w in result.scheduled}
         changed = self._postprocess(plan, result)
-        record = self._record(plan, result, start, scheduled)
+        if self.speculator is not None:
+            self._propose(plan, result, starts)
+        record = self._record(plan, result, start, scheduled, drafted)
         for hook in self.step_hooks:
             hook(self, record)
         outputs = [self.output(r) for r in changed]
@@ -230,7 +270,7 @@ class LLMEngine:
         ready = [r for r in plan.requests if r.seqs and all(s.seq_id in done for s in r.seqs)]
         last = {sid: rows.stop - 1 for sid, rows in result.logit_rows.items()
                 if sid in done}
-        self._sample(ready, result.logits, last)
+        self._sample(ready, result.logits, last, result.logit_rows)
         now = time.perf_counter()
         for req in ready:
             if req.metrics.first_token is None:
@@ -241,24 +281,28 @@ class LLMEngine:
         return ready
 
     def _record(self, plan: SchedulerOutput, result: StepResult, start: float,
-                scheduled: dict[str, int]) -> StepRecord:
-        prefill = sum(w.num_tokens for w in result.scheduled if w.num_tokens > 1)
-        decode = sum(w.num_tokens == 1 for w in result.scheduled)
+                scheduled: dict[str, int], drafted: dict[int, int]) -> StepRecord:
+        spec = {w.seq.seq_id for w in result.scheduled if w.seq.seq_id in drafted}
+        prefill = sum(w.num_tokens for w in result.scheduled
+                      if w.num_tokens > 1 and w.seq.seq_id not in spec)
+        decode = sum(w.num_tokens == 1 or w.seq.seq_id in spec for w in result.scheduled)
         record = StepRecord(self.num_steps, start, time.perf_counter(),
                             [r.request_id for r in plan.requests], prefill, decode,
                             self.blocks.num_used, self.blocks.slots_in_use(),
                             [r.request_id for r in plan.preempted],
                             scheduled,
                             len(plan.swap_out), len(plan.swap_in), len(plan.copies),
-                            result.move_seconds)
+                            result.move_seconds, sum(drafted.values()))
         self.num_steps += 1
         self.trace.append(record)
         return record
 
     # ---- sampling ------------------------------------------------------------------------------
-    def _sample(self, reqs: list[Request], logits: torch.Tensor, last: dict[int, int]) -> None:
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, last: dict[int, int],
+                spans: dict[int, slice]) -> None:
         """One batched draw for every sampled sequence (an n > 1 request's first step forks its
-        sequence first), then beam search per request on its rows."""
+        sequence first), verification for each drafted one (its rows ``spans[seq_id]``), then
+        beam search per request on its rows."""
         rows, owners, params, gens = [], [], [], []
         for req in reqs:
             if req.params.use_beam_search:
@@ -266,7 +310,10 @@ class LLMEngine:
             p = req.params
             if p.n > 1 and not req.done and len(req.seqs) == 1 and not req.seqs[0].output_ids:
                 self._fork(req, req.seqs[0], p.n - 1)
-            for s in req.seqs:
+            for s in list(req.seqs):
+                if s.draft is not None:
+                    self._verify(req, s, logits[spans[s.seq_id]])
+                    continue
                 rows.append(last[s.seq_id] if s.seq_id in last else last[req.seqs[0].seq_id])
                 owners.append((req, s))
                 params.append(p)
@@ -279,9 +326,9 @@ class LLMEngine:
             for i, (req, s) in enumerate(owners):
                 top = out.top[i][:req.params.logprobs] if req.params.logprobs else None
                 self._append(req, s, out.token_ids[i], out.logprobs[i], top)
-            for req in reqs:
-                if not req.params.use_beam_search:
-                    self._retire_finished(req)
+        for req in reqs:
+            if not req.params.use_beam_search:
+                self._retire_finished(req)
         for req in reqs:
             if req.params.use_beam_search:
                 self._beam_step(req, logits[[last[s.seq_id] for s in req.seqs]])
@@ -295,6 +342,9 @@ class LLMEngine:
         """A new live sequence sharing the parent's blocks (reference counts, no copy)."""
         child = self._copy_seq(parent)
         self.blocks.fork(parent.seq_id, child.seq_id)
+        if self.speculator is not None:
+            self.speculator.fork(parent.seq_id, child.seq_id)
+            self._forked[child.seq_id] = parent.seq_id
         return child
 
     def _copy_seq(self, parent: Sequence) -> Sequence:
@@ -327,6 +377,12 @@ class LLMEngine:
             req.seqs.remove(seq)
             req.done.append(seq)
             self.blocks.free(seq.seq_id)
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        seq.draft = None
+        if self.speculator is not None:
+            self.speculator.release(seq.seq_id)
 
     def _beam_step(self, req: Request, logits: torch.Tensor) -> None:
         """Keep the beam_width best continuations of all live beams (forking shared blocks);
@@ -381,6 +437,80 @@ class LLMEngine:
         req.prompt_logprobs[start:] = entries[1:] if start else entries
         req.last_prompt_logits = rows[-1:]
 
+    # ---- speculative decoding -----------------------------------------------------------------
+    def _tree_inputs(self, plan: SchedulerOutput
+                     ) -> tuple[dict[int, torch.Tensor], dict[int, list[int]]]:
+        """Masks and positions of the tree drafts this step verifies (chains need neither)."""
+        masks, positions = {}, {}
+        for w in plan.seqs:
+            d = w.seq.draft
+            if d is not None and not d.is_chain:
+                root = w.seq.num_tokens - w.seq.num_draft - 1
+                masks[w.seq.seq_id], positions[w.seq.seq_id] = tree_inputs(d, root)
+        return masks, positions
+
+    def _verify(self, req: Request, seq: Sequence, logits: torch.Tensor) -> None:
+        """Keep the accepted path of ``seq``'s draft and the target's next token (logits
+        [N + 1, V], row n after node n)."""
+        draft = seq.draft
+        path, bonus = self.speculator.verify(seq, draft, logits, req.params,
+                                             self._generators[req.request_id])
+        root = seq.num_tokens - seq.num_draft - 1
+        if path != list(range(1, len(path) + 1)):     # tree nodes -> a contiguous run
+            self.move_kv(seq, [root + n for n in path],
+                         [root + 1 + j for j in range(len(path))])
+        seq.draft = None
+        self.truncate(seq, root + 1 + len(path))
+        del seq.token_ids[root + 1:]
+        self._committed[seq.seq_id] = [0] + path
+        want = req.params.logprobs is not None
+        logp = logits.float().log_softmax(-1) if want else None
+        for node, tok in zip([0] + path, [draft.tokens[n - 1] for n in path] + [bonus]):
+            lp, top = 0.0, None
+            if want:
+                lp = float(logp[node, tok])
+                top = list(zip(*[t.tolist() for t in logp[node].topk(req.params.logprobs)])) \
+                    if req.params.logprobs else []
+            self._append(req, seq, tok, lp, top)
+            if seq.finished:
+                break
+        seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
+
+    def _propose(self, plan: SchedulerOutput, result: StepResult,
+                 starts: dict[int, int]) -> None:
+        """Give the speculator what every live scheduled sequence committed, and attach the
+        drafts it returns."""
+        inputs = []
+        for req in plan.requests:
+            if req.finished or req.params.use_beam_search:
+                continue
+            for s in req.seqs:
+                src = self._forked.get(s.seq_id, s.seq_id)
+                if src not in result.rows:
+                    continue
+                r = result.rows[src]
+                kept = self._committed.get(src)
+                rows = [r.start + n for n in kept] if kept else list(range(r.start, r.stop))
+                inputs.append(SpecInput(s, starts[src], rows, self._draft_room(req, s),
+                                        req.params, self._generators.get(req.request_id)))
+        self._forked.clear()
+        self._committed.clear()
+        drafts = self.speculator.propose(inputs, result.hidden) if inputs else []
+        for inp, draft in zip(inputs, drafts):
+            if draft is not None and inp.max_depth > 0:
+                draft = draft.pruned(inp.max_depth)
+                if draft is not None:
+                    inp.seq.attach_draft(draft)
+
+    def _draft_room(self, req: Request, seq: Sequence) -> int:
+        """How deep a draft for ``seq`` may go now: 0 while its prompt is unfinished, else what
+        max_tokens and the context window leave after the next token."""
+        if seq.num_uncomputed != 1 or seq.finished:
+            return 0
+        left = min(req.params.max_tokens - len(seq.output_ids),
+                   self.model.cfg.max_seq_len - seq.num_tokens)
+        return max(0, left - 1)
+
     # ---- editing the KV cache (speculative decoding) ---------------------------------------------
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens of ``seq`` (rejected drafts go): their K/V slots
@@ -404,6 +534,7 @@ class LLMEngine:
     # ---- finishing -----------------------------------------------------------------------------
     def _finish(self, req: Request) -> None:
         for s in req.seqs:
+            self._release(s)
             s.finish_reason = s.finish_reason or "length"
             if s.detok is not None:
                 s.delta += s.detok.finish()

@@ -29,17 +29,25 @@ class LLM:
     """Load a model (any name ``minillm.load_model`` takes) and serve it with the engine;
     ``engine_options`` are :class:`EngineConfig` fields (block_size, num_kv_blocks, max_num_seqs,
     max_num_batched_tokens, enable_chunked_prefill, batching, policy, admission, preemption,
-    ...). With no ``dtype`` on a CPU the faster of float32 and bfloat16 for this machine is
-    picked (:func:`minillm.device.serving_dtype`); ``dtype_reason`` says why."""
+    ...). ``speculative_config`` (chapter 06): {"method": "draft_model" | "ngram" | "medusa" |
+    "eagle" | "mtp", "num_speculative_tokens": k, ...}, see
+    :class:`minillm.spec.SpeculativeConfig`. With no ``dtype`` on a CPU the faster of float32
+    and bfloat16 for this machine is picked (:func:`minillm.device.serving_dtype`);
+    ``dtype_reason`` says why."""
 
     def __init__(self, model: str = "smollm2-135m", *, device=None, dtype=None, seed: int = 0,
                  random_weights: bool = False, quantization: str | None = None,
-                 **engine_options) -> None:
+                 speculative_config: dict | None = None, **engine_options) -> None:
         extra = {"quantization": quantization} if quantization else {}
         dtype, self.dtype_reason = serving_dtype(dtype, resolve_device(device))
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype, seed=seed,
                                                 random_weights=random_weights, **extra)
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(**engine_options))
+        if speculative_config is not None:
+            from ..spec.speculator import build_speculator  # technique on top of the core
+            self.engine.use_speculator(build_speculator(
+                speculative_config, self.model, self.engine.drafter_blocks(),
+                self.engine.blocks.block_size))
         self._inbox: dict[str, RequestOutput | None] = {}   # latest output not yet taken
 
     @property

@@ -62,7 +62,8 @@ class StepRecord:
     """One engine step, for timelines: which requests ran and how many tokens each computed
     (``scheduled``), tokens of each kind (sequences computing one token count as decode), the
     KV pool after it (blocks in use, token slots holding K/V), the block moves before the
-    forward (blocks swapped out, in, copied on write) and the seconds they took."""
+    forward (blocks swapped out, in, copied on write) and the seconds they took. A decode that
+    verifies a draft counts as one decode."""
 
     index: int
     start: float
@@ -78,6 +79,7 @@ class StepRecord:
     swapped_in: int = 0
     copied: int = 0
     move_seconds: float = 0.0
+    drafted_tokens: int = 0      # draft nodes verified in this step (speculative decoding)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,9 @@ class SamplingBatch:
     alternatives any row asks for (0 = none). ``greedy`` and ``use_filters`` are host-side
     facts that let :func:`sample_rows` skip work without reading the tensors back: greedy[i]
     is temperature[i] == 0 (None: read from ``temperature`` once, here), use_filters False
-    promises that no sampled row uses top-k or top-p (True is always safe).
+    promises that no sampled row uses top-k or top-p (True is always safe); top_k_only > 0
+    promises that every sampled row uses top-k with k <= top_k_only and no top-p (so a top-k
+    selection replaces the full sort; 0 is always safe).
     """
 
     temperature: torch.Tensor
@@ -55,6 +57,7 @@ class SamplingBatch:
     chosen_logprobs: bool = True
     greedy: list[bool] | None = None
     use_filters: bool = True
+    top_k_only: int = 0
 
     def __post_init__(self) -> None:
         rows = len(self.generators)
@@ -107,7 +110,9 @@ class SamplingBatch:
             generators=list(generators), logprobs=max(wanted), greedy=greedy,
             chosen_logprobs=logprobs > 0 or any(getattr(p, "logprobs", None) is not None
                                                 for p in params),
-            use_filters=any(not g and (k > 0 or p < 1) for g, k, p in zip(greedy, top_k, top_p)))
+            use_filters=any(not g and (k > 0 or p < 1) for g, k, p in zip(greedy, top_k, top_p)),
+            top_k_only=max((k for g, k in zip(greedy, top_k) if not g), default=0)
+            if all(g or (k > 0 and p >= 1) for g, k, p in zip(greedy, top_k, top_p)) else 0)
 
 
 @dataclass
@@ -148,6 +153,10 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     x = logits.float() / temp[:, None]
     if not batch.use_filters:
         return x.softmax(dim=-1)
+    if 0 < batch.top_k_only < vocab:                # top-k alone: no sort of the vocabulary
+        k = torch.where(batch.top_k > 0, batch.top_k, batch.top_k_only)
+        kth = x.topk(batch.top_k_only, dim=-1).values.gather(1, (k - 1)[:, None])
+        return x.masked_fill(x < kth, float("-inf")).softmax(dim=-1)
     # One descending sort serves both filters: the k-th largest value is sorted[:, k - 1], and
     # the sorted top-k-filtered row is the sorted row with its values below that set to -inf.
     sorted_x, order = x.sort(dim=-1, descending=True)

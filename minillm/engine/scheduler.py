@@ -155,8 +155,9 @@ class Scheduler:
 
     @staticmethod
     def _prefilling(req: Request) -> bool:
-        """A prompt (or a recomputed sequence) still being computed in chunks."""
-        return any(s.num_uncomputed > 1 for s in req.seqs)
+        """A prompt (or a recomputed sequence) still being computed in chunks (a decode with a
+        draft to verify is not)."""
+        return any(s.num_uncomputed - s.num_draft > 1 for s in req.seqs)
 
     def _grow_running(self, out: SchedulerOutput, budget: int, prefills: bool,
                       decodes: bool) -> None:
@@ -215,6 +216,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         ids = [s.seq_id for s in req.seqs]
+        for s in req.seqs:
+            s.drop_draft()
         req.metrics.num_preemptions += 1
         out.preempted.append(req)
         if self.config.preemption == "swap" and self.blocks.can_swap_out(ids):

@@ -30,6 +30,61 @@ _seq_ids = itertools.count()
 
 
 @dataclass
+class Draft:
+    """Tokens a drafter proposes after a sequence's last token, as a tree (a chain is the tree
+    whose every parent is the node before). Node 0 is the sequence's last token (the root);
+    ``tokens[i]`` is node i + 1, ``parents[i]`` its parent node (< i + 1), so parents come first.
+    ``q`` [N, V], when the draft was *sampled*: the drafter's distribution each node was drawn
+    from (chains only); None when the nodes are the drafter's deterministic picks (top-k,
+    n-gram), which verification treats as proposals with certainty."""
+
+    tokens: list[int]
+    parents: list[int]
+    q: Any = None
+
+    def __post_init__(self) -> None:
+        if len(self.parents) != len(self.tokens):
+            raise ValueError(f"a Draft needs one parent per token, got {len(self.parents)} "
+                             f"parents for {len(self.tokens)} tokens")
+        bad = [i for i, p in enumerate(self.parents) if not 0 <= p <= i]
+        if bad:
+            raise ValueError(f"Draft.parents[i] must be in [0, i] (node i + 1's parent), bad "
+                             f"at {bad[:5]}")
+
+    @classmethod
+    def chain(cls, tokens: list[int], q: Any = None) -> Draft:
+        return cls(list(tokens), list(range(len(tokens))), q)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(len(self.tokens)))
+
+    def depths(self) -> list[int]:
+        """Depth of every node, the root's 0 first: [N + 1]."""
+        depth = [0]
+        for p in self.parents:
+            depth.append(depth[p] + 1)
+        return depth
+
+    def children(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents):
+            out.setdefault(p, []).append(i + 1)
+        return out
+
+    def pruned(self, max_depth: int) -> Draft | None:
+        """The nodes at depth <= max_depth (None if none is left)."""
+        depth = self.depths()
+        keep = [i for i in range(1, len(depth)) if depth[i] <= max_depth]
+        if not keep:
+            return None
+        new = {0: 0, **{old: j + 1 for j, old in enumerate(keep)}}
+        q = self.q[[i - 1 for i in keep]] if self.q is not None else None
+        return Draft([self.tokens[i - 1] for i in keep],
+                     [new[self.parents[i - 1]] for i in keep], q)
+
+
+@dataclass
 class Sequence:
     """One token stream. ``num_computed`` tokens have K/V in the cache; the tokens after them
     are what the next step computes (the whole prompt at first, then the last sampled token)."""
@@ -43,6 +98,24 @@ class Sequence:
     detok: IncrementalDetokenizer | None = None   # the text so far, grown token by token
     delta: str = ""                    # text added since the last output
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, if asked
+    draft: Draft | None = None         # speculative tokens at the end of token_ids, unverified
+
+    @property
+    def num_draft(self) -> int:
+        return len(self.draft.tokens) if self.draft is not None else 0
+
+    def attach_draft(self, draft: Draft) -> None:
+        """Put ``draft``'s tokens after the last token, for the next step to verify."""
+        if self.draft is not None or self.num_uncomputed != 1:
+            raise ValueError("a draft goes after a sequence's one uncomputed token, once")
+        self.draft = draft
+        self.token_ids += draft.tokens
+
+    def drop_draft(self) -> None:
+        """Forget an unverified draft (preemption)."""
+        if self.draft is not None:
+            del self.token_ids[len(self.token_ids) - self.num_draft:]
+            self.draft = None
 
     @property
     def num_tokens(self) -> int:

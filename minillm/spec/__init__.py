@@ -1,9 +1,23 @@
 """Speculative decoding (chapter 06), built on the engine core's every-row logits, tree masks
-and KV rollback. So far: the verification rules (:mod:`.verify`: greedy, lossless rejection
-sampling for a chain and for a tree of independently drawn children) and the zero-training
-drafter (:mod:`.ngram`: prompt lookup). The engine integration and the trained drafters are
-still to come (issue 13)."""
-from .ngram import prompt_lookup
-from .verify import greedy_accept, rejection_accept, residual, tree_accept
+and KV rollback (:mod:`minillm.engine.speculation` is what the engine asks of it).
 
-__all__ = ["greedy_accept", "prompt_lookup", "rejection_accept", "residual", "tree_accept"]
+- :mod:`.config`: ``speculative_config`` (method, num_speculative_tokens, tree budget, ...);
+- :mod:`.verify`: the verification rules (greedy; lossless rejection sampling for a chain and
+  for a tree);
+- :mod:`.ngram`: prompt lookup, the zero-training drafter;
+- :mod:`.drafters`: the trained drafters' modules (draft model, EAGLE, MTP, Medusa);
+- :mod:`.trees`: Medusa's static sparse tree and EAGLE-2's dynamic tree;
+- :mod:`.proposers`: the drafters at serving time, batched, with their own paged KV;
+- :mod:`.speculator`: a proposer plus the rules, with acceptance counters;
+  ``build_speculator`` is what ``minillm.LLM(speculative_config=...)`` calls;
+- :mod:`.prompts`, :mod:`.distill`, :mod:`.train`, :mod:`.weights`: the self-distillation
+  data, the training script (``make drafters``) and the packaged weights with manifests.
+"""
+from .config import METHODS, SpeculativeConfig
+from .ngram import prompt_lookup
+from .speculator import SpecStats, Speculator, build_speculator
+from .verify import greedy_accept, greedy_tree_accept, rejection_accept, residual, tree_accept
+
+__all__ = ["METHODS", "SpecStats", "SpeculativeConfig", "Speculator", "build_speculator",
+           "greedy_accept", "greedy_tree_accept", "prompt_lookup", "rejection_accept",
+           "residual", "tree_accept"]

@@ -13,7 +13,13 @@ yields a + 1 tokens.
   The emitted tokens are distributed exactly as the target's own samples, whatever q is.
 - :func:`tree_accept`: the same over a tree of drafts whose children at a node were drawn
   independently from the drafter's distribution there (SpecInfer's multi-draft rule): try the
-  children in order, each against the residual left by the ones rejected before it.
+  children in order, each against the residual left by the ones rejected before it. With
+  ``q=None`` the children are deterministic picks (top-k of a drafter, Medusa's and EAGLE-2's
+  trees): each is a proposal with certainty, accepted with the current residual's probability
+  of it, and a rejected child's token is struck from the residual (sampling without
+  replacement), which is again lossless.
+- :func:`greedy_tree_accept`: temperature 0 over a tree: follow the child whose token is the
+  target's argmax.
 
 Distributions are rows of probabilities (after temperature and filters), on any device; the
 rules read them on the host (a few rows of one sequence).
@@ -69,24 +75,46 @@ def rejection_accept(draft: Sequence[int], q: torch.Tensor, p: torch.Tensor,
     return k, _draw(p[k], generator)
 
 
-def tree_accept(children: dict[int, list[int]], tokens: Sequence[int], q: torch.Tensor,
+def tree_accept(children: dict[int, list[int]], tokens: Sequence[int], q: torch.Tensor | None,
                 p: torch.Tensor, generator: torch.Generator | None = None
                 ) -> tuple[list[int], int]:
     """Lossless verification of a draft tree. Node 0 is the root (the last context token);
-    ``children[n]``: the nodes under node n, drawn independently from q[n] [V]; ``tokens[n]``:
-    node n's token; p[n] [V]: the target's distribution after node n (all nodes in one
-    forward pass with the tree mask). Returns (the accepted path of nodes below the root, the
-    next token after it)."""
+    ``children[n]``: the nodes under node n, drawn independently from q[n] [V] (q None: picked
+    deterministically, distinct tokens); ``tokens[n]``: node n's token; p[n] [V]: the target's
+    distribution after node n (all nodes in one forward pass with the tree mask). Returns (the
+    accepted path of nodes below the root, the next token after it)."""
     node, path = 0, []
-    p, q = p.cpu().double(), q.cpu().double()
+    p = p.cpu().double()
+    q = q.cpu().double() if q is not None else None
     while True:
         target = p[node]
         for child in children.get(node, []):
             t = tokens[child]
-            if _uniform(generator) * q[node, t] < target[t]:
+            proposal = q[node] if q is not None else _one_hot(t, target)
+            if _uniform(generator) * proposal[t] < target[t]:
                 path.append(child)
                 break
-            target = residual(target, q[node])
+            target = residual(target, proposal)
         else:
             return path, _draw(target, generator)
         node = path[-1]
+
+
+def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(like)
+    out[token] = 1.0
+    return out
+
+
+def greedy_tree_accept(children: dict[int, list[int]], tokens: Sequence[int],
+                       target_argmax: Sequence[int]) -> tuple[list[int], int]:
+    """Temperature 0 over a tree (nodes as in :func:`tree_accept`; target_argmax[n]: the
+    target's choice after node n): the path that follows the target's argmax, and the argmax
+    after its last node."""
+    node, path = 0, []
+    while True:
+        nxt = [c for c in children.get(node, []) if tokens[c] == target_argmax[node]]
+        if not nxt:
+            return path, int(target_argmax[node])
+        node = nxt[0]
+        path.append(node)

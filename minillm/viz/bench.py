@@ -48,3 +48,38 @@ def plot_throughput(report: dict):
                  f"({report['threads']} threads)", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def plot_spec(report: dict):
+    """Speculative decoding: acceptance by draft position, speedup vs lookahead k (batch 1)
+    and speedup vs batch size, one colour per method."""
+    runs = [r for r in report["runs"] if r["method"] != "none"]
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    default = report["config"]["default_k"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for i, m in enumerate(methods):
+        c = f"C{i}"
+        mixed = [r for r in runs if r["method"] == m and r["kind"] == "mixed"]
+        best = max((r for r in mixed if r["batch"] == 1 and r["k"] == default[m]),
+                   key=lambda r: r["rounds"], default=None)
+        if best and best["acceptance"]:
+            acc = best["acceptance"]
+            axes[0].plot(range(1, len(acc) + 1), acc, "o-", color=c, label=f"{m} (k={best['k']})")
+        sweep = sorted((r for r in mixed if r["batch"] == 1), key=lambda r: r["k"])
+        axes[1].plot([r["k"] for r in sweep], [r["speedup"] for r in sweep], "o-", color=c,
+                     label=m)
+        by_batch = sorted((r for r in mixed if r["k"] == default[m]), key=lambda r: r["batch"])
+        axes[2].plot([r["batch"] for r in by_batch], [r["speedup"] for r in by_batch], "o-",
+                     color=c, label=m)
+    axes[0].set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02),
+                title="acceptance by position (batch 1)")
+    axes[1].set(xlabel="lookahead k (tree depth)", ylabel="speedup over no speculation",
+                title="speedup vs k (batch 1)")
+    axes[2].set(xlabel="batch size", ylabel="speedup over no speculation", xscale="log",
+                title="speedup vs batch size")
+    for ax in axes[1:]:
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,187 @@
+"""The speculative decoding benchmark (``python -m minillm bench spec``), chapter 06.
+
+One target (SmolLM2), greedy, the same engine with and without a speculator. Prompts of three
+kinds, held out from the drafters' training (:func:`minillm.spec.prompts.benchmark_prompts`),
+in the chat template: ``chat`` questions, ``grounded`` tasks (summarise, rewrite or extract from
+a given passage, code edits) and ``free`` writing. Per method:
+
+- at batch 1 (one request after another) per kind: output tokens/s, the speedup over the plain
+  engine, acceptance by draft position, mean tokens per verification round;
+- the speedup against the lookahead k (batch 1, all kinds);
+- the speedup at batch 4, 16, 64 (all requests at once);
+- the speedup Leviathan et al. (2023) predict from the measured acceptance and cost:
+  (1 - a^(k+1)) / ((1 - a)(k c + 1)), with a solved from the mean tokens per round and k c the
+  drafter's seconds per round over the plain engine's seconds per token.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..checkpoint.loader import load_model
+from ..config import SamplingParams
+from ..device import resolve_device, serving_dtype
+from ..engine import EngineConfig, LLMEngine
+from ..spec.config import MAX_TOKENS
+from ..spec.prompts import KINDS, benchmark_prompts
+from ..spec.speculator import build_speculator
+from .common import dtype_name, format_table, machine_info
+
+METHODS = ("ngram", "draft_model", "medusa", "eagle", "mtp")
+DEFAULT_K = {"ngram": 6, "draft_model": 4, "medusa": 4, "eagle": 5, "mtp": 3}
+
+
+@dataclass
+class Run:
+    """One measured configuration: ``tokens`` output tokens in ``seconds``."""
+
+    method: str
+    k: int
+    kind: str
+    batch: int
+    seconds: float
+    tokens: int
+    acceptance: list[float]
+    mean_accepted: float
+    propose_seconds: float
+    rounds: int
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+def chat_prompts(tok, kind: str, n: int) -> list[list[int]]:
+    """``n`` held-out prompts of one kind as token ids, in the chat template."""
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": m}],
+                                               add_generation_prompt=True))
+            for m in benchmark_prompts(kind, n)]
+
+
+def make_engine(model, tok, method: str | None, k: int, max_seqs: int) -> LLMEngine:
+    nodes = 16
+    budget = max(4096, max_seqs * (1 + max(nodes, k)))
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=max_seqs, num_kv_blocks=64 * 40,
+                                                max_num_batched_tokens=budget))
+    if method is not None:
+        engine.use_speculator(build_speculator(
+            {"method": method, "num_speculative_tokens": k, "tree_nodes": nodes}, model,
+            engine.drafter_blocks(), engine.blocks.block_size))
+    return engine
+
+
+def drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+          batch: int) -> tuple[float, int]:
+    """Run ``prompts`` ``batch`` at a time (1: one after another); (seconds, output tokens)."""
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(prompts), batch):
+        for p in prompts[i:i + batch]:
+            engine.add_request(p, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    tokens += len(out.outputs[0].token_ids)
+    return time.perf_counter() - start, tokens
+
+
+def measure(model, tok, method: str | None, k: int, kind: str, prompts: list[list[int]],
+            batch: int, params: SamplingParams) -> Run:
+    engine = make_engine(model, tok, method, k, max(batch, 1))
+    drive(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), 1)   # warm-up
+    spec = engine.speculator
+    if spec is not None:
+        spec.stats.__init__()
+    seconds, tokens = drive(engine, prompts, params, batch)
+    s = spec.stats if spec is not None else None
+    return Run(method or "none", k, kind, batch, seconds, tokens,
+               s.acceptance_by_position if s else [], s.mean_accepted if s else 1.0,
+               s.propose_seconds if s else 0.0, s.rounds if s else 0)
+
+
+def acceptance_rate(mean_tokens: float, k: int) -> float:
+    """a with (1 - a^(k+1)) / (1 - a) = mean tokens per round (bisection; 0 <= a < 1)."""
+    lo, hi = 0.0, 1.0 - 1e-9
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if (1 - mid ** (k + 1)) / (1 - mid) < mean_tokens:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def expected_speedup(run: Run, base_seconds_per_token: float) -> float:
+    """Leviathan et al.'s formula from the run's measured acceptance and drafter cost."""
+    if not run.rounds:
+        return 1.0
+    a = acceptance_rate(run.mean_accepted, run.k)
+    kc = run.propose_seconds / run.rounds / base_seconds_per_token
+    return (1 - a ** (run.k + 1)) / ((1 - a) * (kc + 1))
+
+
+def run_spec_bench(model: str = "smollm2-135m", methods=METHODS, ks=(1, 2, 4, 6, 8),
+                   batches=(1, 4, 16, 64), prompts_per_kind: int = 4, max_tokens: int = 64,
+                   device=None, dtype=None, threads: int | None = None, log=print) -> dict:
+    """Every measurement of the module docstring; returns the report (JSON-ready)."""
+    if threads:
+        torch.set_num_threads(threads)
+    dev = resolve_device(device)
+    dtype, reason = serving_dtype(dtype, dev)
+    target, tok = load_model(model, device=dev, dtype=dtype)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    by_kind = {kind: chat_prompts(tok, kind, prompts_per_kind) for kind in KINDS}
+    mixed = [p for kind in KINDS for p in by_kind[kind]]
+    runs: list[Run] = []
+
+    def go(method, k, kind, prompts, batch):
+        run = measure(target, tok, method, k, kind, prompts, batch, params)
+        runs.append(run)
+        log(f"{run.method:>11} k={k} {kind:>8} batch {batch:>2}: {run.rate:7.1f} tok/s, "
+            f"{run.mean_accepted:.2f} tokens/round")
+        return run
+
+    base = {kind: go(None, 0, kind, by_kind[kind], 1) for kind in KINDS}
+    for b in batches:
+        if b > 1:
+            go(None, 0, "mixed", (mixed * b)[:b], b)
+    for m in methods:
+        for kind in KINDS:
+            go(m, DEFAULT_K[m], kind, by_kind[kind], 1)
+        for k in ks:
+            if k <= MAX_TOKENS[m] and not (m == "medusa" and k > 5):
+                go(m, k, "mixed", mixed, 1)
+        for b in batches:
+            if b > 1:
+                go(m, DEFAULT_K[m], "mixed", (mixed * b)[:b], b)
+    return report_of(runs, base, machine_info(dev, torch.get_num_threads()),
+                     {"model": model, "dtype": dtype_name(dtype), "dtype_reason": reason,
+                      "max_tokens": max_tokens, "prompts_per_kind": prompts_per_kind,
+                      "default_k": DEFAULT_K, "load_average": os.getloadavg()})
+
+
+def report_of(runs: list[Run], base: dict[str, Run], machine: dict, config: dict) -> dict:
+    """Speedups against the plain engine of the same kind (batch 1) or batch."""
+    plain = {(r.kind, r.batch): r for r in runs if r.method == "none"}
+    plain[("mixed", 1)] = Run("none", 0, "mixed", 1, sum(r.seconds for r in base.values()),
+                              sum(r.tokens for r in base.values()), [], 1.0, 0.0, 0)
+    rows = []
+    for r in runs:
+        ref = plain[(r.kind, r.batch)]
+        row = asdict(r) | {"tokens_per_s": r.rate, "speedup": r.rate / ref.rate}
+        if r.method != "none" and r.batch == 1:
+            row["expected_speedup"] = expected_speedup(r, ref.seconds / ref.tokens)
+        rows.append(row)
+    return {"benchmark": "spec", "machine": machine, "config": config, "runs": rows}
+
+
+def spec_table(report: dict) -> str:
+    rows = [(r["method"], r["k"], r["kind"], r["batch"], r["tokens_per_s"], r["speedup"],
+             r.get("expected_speedup", float("nan")), r["mean_accepted"],
+             " ".join(f"{a:.2f}" for a in r["acceptance"][:6]))
+            for r in report["runs"]]
+    return format_table([("method", "<11"), ("k", ">2"), ("kind", "<8"), ("batch", ">5"),
+                         ("tok/s", ">7.1f"), ("speedup", ">7.2f"), ("expected", ">8.2f"),
+                         ("tok/round", ">9.2f"), ("acceptance by position", "<30")], rows)

@@ -1,0 +1,69 @@
+"""``speculative_config``: which drafter, how far ahead, and its knobs (vLLM's names).
+
+    minillm.LLM("smollm2-135m", speculative_config={"method": "eagle",
+                                                    "num_speculative_tokens": 4})
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+METHODS = ("draft_model", "ngram", "medusa", "eagle", "mtp")
+MAX_TOKENS = {"draft_model": 12, "ngram": 12, "medusa": 8, "eagle": 8, "mtp": 8}
+TREE_METHODS = ("medusa", "eagle")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """method: one of METHODS. num_speculative_tokens: the lookahead k, how many tokens a chain
+    drafts per step, or a tree's depth (at most MAX_TOKENS[method]; Medusa: at most its heads).
+    prompt_lookup_max / prompt_lookup_min: the n-gram sizes ``ngram`` tries (longest first).
+    tree_nodes: the node budget of a tree (medusa, eagle); tree_topk: children per expanded
+    node (eagle). drafter: a weights file to use instead of the packaged one."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+    tree_nodes: int = 16
+    tree_topk: int = 4
+    drafter: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {METHODS}, got "
+                             f"{self.method!r}")
+        k, top = self.num_speculative_tokens, MAX_TOKENS[self.method]
+        if not isinstance(k, int) or not 1 <= k <= top:
+            raise ValueError(f"speculative_config num_speculative_tokens must be in [1, {top}] "
+                             f"for {self.method}, got {k!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max, got {self.prompt_lookup_min}, "
+                             f"{self.prompt_lookup_max}")
+        if self.tree_nodes < 1 or self.tree_topk < 1:
+            raise ValueError(f"speculative_config tree_nodes and tree_topk must be >= 1, got "
+                             f"{self.tree_nodes}, {self.tree_topk}")
+        if self.method == "ngram" and self.drafter is not None:
+            raise ValueError("speculative_config drafter: ngram has no weights")
+
+    @classmethod
+    def from_dict(cls, options: dict | SpeculativeConfig) -> SpeculativeConfig:
+        """From vLLM-style keys; unknown keys are an error naming them."""
+        if isinstance(options, SpeculativeConfig):
+            return options
+        if not isinstance(options, dict) or "method" not in options:
+            raise ValueError(f"speculative_config must be a dict with a 'method' (one of "
+                             f"{METHODS}), got {options!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: "
+                             f"{sorted(known)}")
+        return cls(**options)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Most nodes one draft may have."""
+        if self.method in TREE_METHODS:
+            return self.tree_nodes
+        return self.num_speculative_tokens

@@ -1,0 +1,115 @@
+"""Self-distillation data for the drafters: the target's own replies, with its hidden states.
+
+Every drafter of chapter 06 learns to predict what *this* target says, so the training text is
+the target's: each prompt of :func:`minillm.spec.prompts.training_prompts`, in the chat
+template, answered by SmolLM2 through our engine (most greedily, a share sampled at
+temperature 0.8, seeded), then run once more through the target to record its final hidden
+state at every position (what EAGLE, MTP and Medusa read at serving time). Made once, shared by
+every drafter's training (:mod:`.train`).
+
+Work is done in shards of ``shard_size`` prompts written to ``<dir>/shard-XXXX.pt``, so an
+interrupted run resumes where it stopped. A shard holds, for S sequences and N tokens in all:
+tokens int32 [N], offsets int64 [S + 1], prompt_lens int64 [S], features bfloat16 [N, D].
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import SamplingParams
+from .prompts import training_prompts
+
+SAMPLED_SHARE = 0.25        # replies drawn at temperature 0.8 instead of greedily
+POOL = 2400                 # prompts are the first num_prompts of training_prompts(POOL)
+
+
+def cache_dir() -> Path:
+    """Where made data lives: $MINILLM_CACHE or ~/.cache/minillm."""
+    return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
+
+
+def default_data_dir() -> Path:
+    return cache_dir() / "spec-distill"
+
+
+def reply_params(index: int, max_tokens: int) -> SamplingParams:
+    """Greedy for most prompts; every 4th sampled at temperature 0.8 with its own seed."""
+    if index % round(1 / SAMPLED_SHARE) == 0:
+        return SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, seed=index)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+@torch.inference_mode()
+def target_features(model, sequences: list[list[int]], batch: int = 16) -> list[torch.Tensor]:
+    """The target's final normed hidden state at every position of each sequence
+    ([len, D] each), from right-padded batches of similar lengths (causal: padding after a
+    sequence does not change it)."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    out: list[torch.Tensor | None] = [None] * len(sequences)
+    for start in range(0, len(order), batch):
+        idx = order[start:start + batch]
+        width = max(len(sequences[i]) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long, device=model.device)
+        for row, i in enumerate(idx):
+            ids[row, :len(sequences[i])] = torch.tensor(sequences[i])
+        h = model.hidden_states(ids)
+        for row, i in enumerate(idx):
+            out[i] = h[row, :len(sequences[i])].to(torch.bfloat16).cpu()
+    return out
+
+
+def make_shard(llm, prompts: list[tuple[str, str]], first_index: int, max_tokens: int) -> dict:
+    """Answer ``prompts`` with the target and record its features."""
+    tok = llm.tokenizer
+    chats = [tok.apply_chat_template([{"role": "user", "content": m}],
+                                     add_generation_prompt=True) for _, m in prompts]
+    params = [reply_params(first_index + i, max_tokens) for i in range(len(prompts))]
+    outs = llm.generate(chats, params, use_tqdm=False)
+    seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    feats = target_features(llm.model, seqs)
+    lens = torch.tensor([len(s) for s in seqs])
+    return {"tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
+            "prompt_lens": torch.tensor([len(o.prompt_token_ids) for o in outs]),
+            "features": torch.cat(feats), "kinds": [k for k, _ in prompts]}
+
+
+def make_dataset(out_dir: Path | None = None, num_prompts: int = 1600, max_tokens: int = 96,
+                 shard_size: int = 200, model: str = "smollm2-135m") -> Path:
+    """Write (or finish writing) the shards; returns the folder."""
+    from ..engine.llm import LLM
+    out_dir = Path(out_dir or default_data_dir())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prompts = training_prompts(POOL)[:num_prompts]
+    shards = range(0, num_prompts, shard_size)
+    todo = [s for s in shards if not (out_dir / f"shard-{s // shard_size:04d}.pt").exists()]
+    if not todo:
+        return out_dir
+    llm = LLM(model, max_num_seqs=64)
+    for start in tqdm(todo, desc="distillation shards", initial=len(shards) - len(todo),
+                      total=len(shards)):
+        shard = make_shard(llm, prompts[start:start + shard_size], start, max_tokens)
+        path = out_dir / f"shard-{start // shard_size:04d}.pt"
+        torch.save(shard, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)           # a shard is whole or absent
+    return out_dir
+
+
+def load_dataset(data_dir: Path | None = None) -> dict:
+    """All shards joined: tokens [N], offsets [S + 1], prompt_lens [S], features [N, D]."""
+    data_dir = Path(data_dir or default_data_dir())
+    paths = sorted(data_dir.glob("shard-*.pt"))
+    if not paths:
+        raise FileNotFoundError(f"no distillation shards in {data_dir}: run "
+                                f"`python -m minillm.spec.train --data-only` (or make drafters)")
+    parts = [torch.load(p) for p in paths]
+    base = torch.tensor([0] + [p["offsets"][-1].item() for p in parts]).cumsum(0)
+    return {"tokens": torch.cat([p["tokens"] for p in parts]),
+            "offsets": torch.cat([parts[0]["offsets"][:1]] +
+                                 [p["offsets"][1:] + b for p, b in zip(parts, base)]),
+            "prompt_lens": torch.cat([p["prompt_lens"] for p in parts]),
+            "features": torch.cat([p["features"] for p in parts]),
+            "kinds": [k for p in parts for k in p["kinds"]]}

@@ -1,0 +1,162 @@
+"""The trained drafters of chapter 06, as plain modules (training: :mod:`.train`; serving: the
+proposers in :mod:`.proposers`).
+
+All of them borrow the target's token embedding and output head instead of keeping their own
+(SmolLM2 ties the two, 49152 x 576): a drafter's head is the target's output matrix restricted
+to a *draft vocabulary*, the ``Vd`` tokens the target emits most often in the training data
+(EAGLE-3 and FR-Spec draft over a frequency-ranked sub-vocabulary for the same reason: a full
+head would cost a quarter of a target forward per drafted token on this model). A drafted
+token is always one of those ids; verification is unchanged, because a draft distribution that
+is zero elsewhere is still a valid proposal.
+
+- :class:`DraftLM` (``draft_model``): a small Llama (its own layers, the target's embedding),
+  a language model in its own right; it keeps its own KV cache.
+- :class:`FeatureDrafter` (``eagle``, ``mtp``): one decoder block over the target's last
+  hidden state h_t joined with the embedding of the next token x_{t+1}; its output f_t is a
+  guess of h_{t+1} and goes through the head to propose x_{t+2}. EAGLE (Li et al. 2024) joins
+  them with one linear layer and trains f_t to regress h_{t+1} as well; DeepSeek-V3's MTP
+  module (2024) normalises both inputs first (RMSNorm each, then the projection) and trains with
+  cross-entropy only, chained for depth.
+- :class:`MedusaHeads` (``medusa``): K residual heads on the target's last hidden state, head i
+  proposing the token i + 1 places after the next (Cai et al. 2024); no cache, no recurrence.
+
+Shapes: D = the target's width, Vd = the draft vocabulary, B batch, T positions.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..model.layers import RMSNorm, rope_cos_sin
+from ..model.transformer import Block, Transformer, _heads_axis
+
+METHODS = ("draft_model", "eagle", "mtp", "medusa")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """A drafter's shape. ``layers`` decoder blocks of width ``d_model`` (the target's) with
+    the target's heads and ``ffn_dim``; ``num_heads``: Medusa's heads; ``draft_vocab``: Vd."""
+
+    method: str
+    d_model: int = 576
+    layers: int = 1
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    head_dim: int = 64
+    ffn_dim: int = 1536
+    rope_theta: float = 100000.0
+    norm_eps: float = 1e-5
+    num_heads: int = 0
+    draft_vocab: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "medusa" and self.num_heads < 1:
+            raise ValueError(f"medusa needs num_heads >= 1, got {self.num_heads}")
+        if self.layers < 1 or self.draft_vocab < 1:
+            raise ValueError("layers and draft_vocab must be >= 1")
+
+    def block_config(self, vocab_size: int, max_seq_len: int) -> ModelConfig:
+        return ModelConfig(name=f"{self.method}-drafter", vocab_size=vocab_size,
+                           d_model=self.d_model, n_layers=self.layers, n_heads=self.n_heads,
+                           n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+                           ffn_dim=self.ffn_dim, rope_theta=self.rope_theta,
+                           norm_eps=self.norm_eps, max_seq_len=max_seq_len)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class DraftHead(nn.Module):
+    """The target's output matrix restricted to the draft vocabulary ``ids`` [Vd] (a buffer;
+    the rows are read from the target at load time, not stored)."""
+
+    def __init__(self, target_head: torch.Tensor, ids: torch.Tensor) -> None:
+        super().__init__()
+        self.vocab_size = target_head.shape[0]
+        self.register_buffer("ids", ids.long(), persistent=False)
+        self.register_buffer("rows", target_head.detach()[ids.long()], persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> logits over the draft vocabulary [..., Vd]."""
+        return x @ self.rows.to(x.dtype).T
+
+    def full(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., Vd] draft logits -> [..., V] full-vocabulary logits (-inf off the draft vocab)."""
+        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., self.ids] = logits
+        return out
+
+
+class FeatureDrafter(nn.Module):
+    """EAGLE's drafter (``input_norms`` False) or DeepSeek-V3's MTP module (True).
+
+    forward(tokens [B, T, D] embeddings of x_{t+1}, features [B, T, D] target states h_t,
+    positions [T]) -> f [B, T, D], each f_t a guess of h_{t+1}; logits = head(f)."""
+
+    def __init__(self, cfg: DrafterConfig, block_cfg: ModelConfig, input_norms: bool) -> None:
+        super().__init__()
+        self.cfg, self.block_cfg = cfg, block_cfg
+        d = cfg.d_model
+        self.token_norm = RMSNorm(d, cfg.norm_eps) if input_norms else nn.Identity()
+        self.feature_norm = RMSNorm(d, cfg.norm_eps) if input_norms else nn.Identity()
+        self.proj = nn.Linear(2 * d, d, bias=False)
+        self.layers = nn.ModuleList(Block(block_cfg, i) for i in range(cfg.layers))
+        self.norm = RMSNorm(d, cfg.norm_eps)
+
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                cache=None) -> torch.Tensor:
+        x = self.proj(torch.cat([self.token_norm(tokens), self.feature_norm(features)], -1))
+        cos, sin = rope_cos_sin(positions, self.block_cfg.head_dim, self.block_cfg.rope_theta,
+                                x.dtype)
+        cos, sin = _heads_axis(cos), _heads_axis(sin)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache)
+        if cache is not None:
+            cache.advance(tokens.shape[1])
+        return self.norm(x)
+
+
+class MedusaHeads(nn.Module):
+    """K residual heads: head i maps h [.., D] to h + SiLU(W_i h) (W_i starts at zero, so every
+    head starts as the target's own next-token head). forward -> [K, .., D]."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.heads = nn.ModuleList(nn.Linear(cfg.d_model, cfg.d_model) for _ in
+                                   range(cfg.num_heads))
+        for h in self.heads:
+            nn.init.zeros_(h.weight)
+            nn.init.zeros_(h.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.stack([h + F.silu(head(h)) for head in self.heads])
+
+
+def build_drafter(cfg: DrafterConfig, target: Transformer) -> nn.Module:
+    """The module for ``cfg`` (random weights), sharing ``target``'s embedding where it needs
+    one. A ``draft_model`` is a :class:`~minillm.model.Transformer` whose embedding is the
+    target's."""
+    block_cfg = cfg.block_config(target.cfg.vocab_size, target.cfg.max_seq_len)
+    if cfg.method == "draft_model":
+        lm = Transformer(block_cfg)
+        lm.embed = target.embed                  # shared, not stored
+        lm.lm_head = target.lm_head
+        return lm
+    if cfg.method == "medusa":
+        return MedusaHeads(cfg)
+    return FeatureDrafter(cfg, block_cfg, input_norms=cfg.method == "mtp")
+
+
+def own_parameters(drafter: nn.Module, target: Transformer) -> dict[str, torch.Tensor]:
+    """The drafter's state dict without the tensors it borrows from the target."""
+    borrowed = {id(p) for p in target.parameters()}
+    return {k: v for k, v in drafter.state_dict(keep_vars=True).items()
+            if id(v) not in borrowed}

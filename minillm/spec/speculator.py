@@ -1,0 +1,127 @@
+"""The speculator the engine calls: a proposer (which drafter) plus the verification rules,
+with counters of what was proposed and accepted at each draft position.
+
+``build_speculator(speculative_config, model, engine_config)`` is what
+``minillm.LLM(..., speculative_config={...})`` uses.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import SamplingParams
+from ..engine.sampler import SamplingBatch, filtered_probs
+from ..engine.sequence import Draft, Sequence
+from ..engine.speculation import SpecInput
+from ..model.transformer import Transformer
+from .config import SpeculativeConfig
+from .proposers import DraftModelProposer, FeatureProposer, MedusaProposer, NgramProposer
+from .verify import greedy_tree_accept, rejection_accept, tree_accept
+from .weights import load_drafter
+
+
+@dataclass
+class SpecStats:
+    """proposed[i] / accepted[i]: drafts that reached depth i + 1 / whose accepted path did.
+    rounds: verifications; emitted: tokens they produced (accepted + the target's own)."""
+
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    rounds: int = 0
+    emitted: int = 0
+    propose_seconds: float = 0.0     # wall time in the drafter (all of its work)
+    verify_seconds: float = 0.0      # wall time in the verification rules
+
+    def add(self, depth: int, kept: int) -> None:
+        grow = max(depth, kept) - len(self.proposed)
+        self.proposed += [0] * grow
+        self.accepted += [0] * grow
+        for i in range(depth):
+            self.proposed[i] += 1
+        for i in range(kept):
+            self.accepted[i] += 1
+        self.rounds += 1
+        self.emitted += kept + 1
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens per verification round (accepted drafts + 1)."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer) -> None:
+        self.config, self.proposer = config, proposer
+        self.hidden_layers = proposer.hidden_layers
+        self.max_draft_tokens = proposer.max_nodes
+        self.stats = SpecStats()
+
+    def propose(self, inputs: list[SpecInput], hidden: dict) -> list[Draft | None]:
+        start = time.perf_counter()
+        drafts = self.proposer.propose(inputs, hidden)
+        self.stats.propose_seconds += time.perf_counter() - start
+        return drafts
+
+    def verify(self, seq: Sequence, draft: Draft, logits: torch.Tensor,
+               params: SamplingParams, generator: torch.Generator | None
+               ) -> tuple[list[int], int]:
+        """Greedy match at temperature 0; otherwise lossless rejection sampling (a sampled
+        chain with its q) or the tree rule with deterministic candidates."""
+        start = time.perf_counter()
+        tokens = [seq.token_ids[seq.num_tokens - draft_len(draft) - 1]] + draft.tokens
+        children = draft.children()
+        if params.greedy:
+            path, nxt = greedy_tree_accept(children, tokens, logits.argmax(-1).tolist())
+        else:
+            rows = len(tokens)
+            batch = SamplingBatch.from_params([params] * rows, [generator] * rows,
+                                              logits.device)
+            p = filtered_probs(logits, batch)
+            if draft.q is not None:
+                a, nxt = rejection_accept(draft.tokens, draft.q, p, generator)
+                path = list(range(1, a + 1))
+            else:
+                path, nxt = tree_accept(children, tokens, None, p, generator)
+        self.stats.add(max(draft.depths()), len(path))
+        self.stats.verify_seconds += time.perf_counter() - start
+        return path, nxt
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        self.proposer.fork(parent_id, child_id)
+
+    def release(self, seq_id: int) -> None:
+        self.proposer.release(seq_id)
+
+
+def draft_len(draft: Draft) -> int:
+    return len(draft.tokens)
+
+
+def build_speculator(options: dict | SpeculativeConfig, model: Transformer,
+                     num_blocks: int, block_size: int, drafter=None) -> Speculator:
+    """The speculator for ``options`` (a speculative_config dict). Drafters with a cache get
+    ``num_blocks`` blocks of ``block_size``. ``drafter``: (module, head, manifest) to use
+    instead of loading the packaged weights (tests, notebooks)."""
+    cfg = SpeculativeConfig.from_dict(options)
+    k = cfg.num_speculative_tokens
+    if cfg.method == "ngram":
+        return Speculator(cfg, NgramProposer(k, cfg.prompt_lookup_max, cfg.prompt_lookup_min))
+    module, head, manifest = drafter or load_drafter(cfg.method, model, cfg.drafter)
+    if cfg.method == "medusa":
+        heads = len(module.heads)
+        if k > heads:
+            raise ValueError(f"speculative_config num_speculative_tokens must be in [1, {heads}] "
+                             f"for medusa (its heads), got {k}")
+        return Speculator(cfg, MedusaProposer(module, head, manifest["head_accuracy"], k,
+                                              cfg.tree_nodes))
+    if cfg.method == "draft_model":
+        return Speculator(cfg, DraftModelProposer(module, head, k, num_blocks, block_size))
+    return Speculator(cfg, FeatureProposer(module, head, model.embed, k, num_blocks, block_size,
+                                           tree=cfg.method == "eagle", topk=cfg.tree_topk,
+                                           budget=cfg.tree_nodes))

@@ -1,0 +1,461 @@
+"""Training the four drafters of chapter 06 on the target's own replies (self-distillation).
+
+The data (:mod:`.distill`) is what the frozen target SmolLM2-135M says to the training prompts,
+with its final normed hidden state h_t at every position. A drafter that learns to predict
+*these* tokens learns the target's habits, which is what speculative decoding rewards: a drafted
+token counts only when the target would have produced it (Medusa and EAGLE both train on the
+target's regenerated replies for this reason). The target never trains; its embedding and the
+rows of its output head are borrowed (:class:`~.drafters.DraftHead`: logits over the ``Vd``
+most frequent reply tokens, :func:`draft_vocabulary`; labels outside it are ignored by the loss
+and count as misses in the held-out accuracy).
+
+The losses, with x the tokens, h the target's states, f a drafter's output, CE over the draft
+vocabulary (reply labels weigh 1, prompt labels ``PROMPT_WEIGHT``):
+
+- ``eagle`` (EAGLE-1, Li et al. 2024): f_t = D(embed(x_{t+1}), h_t); loss CE(head(f_t), x_{t+2})
+  + 0.1 smooth_l1(f_t, h_{t+1}); plus, since at serving time the drafter reads its own outputs
+  after the first token, a second pass f2_t = D(embed(x_{t+2}), f_t) (f detached, positions
+  one on) with loss 0.5 CE(head(f2_t), x_{t+3}).
+- ``mtp`` (DeepSeek-V3, 2024): the same block with RMSNorm on both inputs; CE at depth 1 plus CE
+  at depth 2, where depth 2 reads depth 1's output as its features (chained, gradients kept).
+- ``medusa`` (Medusa-1, Cai et al. 2024): K residual heads on h_t, head i predicting x_{t+2+i};
+  loss sum_i 0.8^i CE_i. The held-out top-8 accuracy of every head goes into the manifest
+  (``head_accuracy``): Medusa's sparse tree is built from it.
+- ``draft_model``: a 2-layer Llama on the target's embedding; CE of the next token (reply labels
+  1, prompt labels 0.3).
+
+Batches: ``BATCH`` windows of at most ``WINDOW`` positions (a random training sequence; the
+window always covers the reply, its start in the prompt is random), real positions for RoPE.
+AdamW, cosine decay after a linear warm-up, gradient clipping. A checkpoint (drafter, optimizer,
+step, rng) goes to ``<cache>/spec-train/<method>.ckpt`` every ``CKPT_EVERY`` steps and a rerun
+continues from it. The last shard's sequences are held out for the accuracies in the manifest.
+
+    python -m minillm.spec.train [eagle|mtp|medusa|draft_model|all] [--steps N] [--fresh]
+    python -m minillm.spec.train --data-only
+
+Shapes: B windows, T positions, D the target's width, V its vocabulary, Vd the draft one.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..model.transformer import Transformer
+from . import distill, weights
+from .drafters import DrafterConfig, DraftHead, build_drafter, own_parameters
+
+CONFIGS = {"eagle": dict(layers=1, ffn_dim=1536), "mtp": dict(layers=1, ffn_dim=1536),
+           "medusa": dict(num_heads=5), "draft_model": dict(layers=2, ffn_dim=1536)}
+# ~10 minutes each on 2 CPU cores: 1 thread measured 1.87 (eagle), 1.95 (mtp), 1.48 (medusa)
+# and 1.36 (draft_model) s/step; 2 threads are about 1.6-1.9x faster
+DEFAULT_STEPS = {"eagle": 500, "mtp": 480, "medusa": 600, "draft_model": 660}
+DRAFT_VOCAB = 8192
+WINDOW, BATCH = 256, 16
+LR, WARMUP, CLIP, WEIGHT_DECAY = 1e-3, 50, 1.0, 0.0
+CKPT_EVERY = 100
+PROMPT_WEIGHT = 0.3          # CE weight of labels inside the prompt (replies weigh 1)
+EAGLE_REG, EAGLE_SECOND = 0.1, 0.5
+MEDUSA_DECAY = 0.8
+EVAL_DEPTH = 5               # drafted positions measured for eagle and mtp
+TOPK = 8                     # ranks measured for Medusa's heads
+IGNORE, OOV = -100, -1       # no label here; a label outside the draft vocabulary
+
+
+# ---------------------------------------------------------------------------------------- data
+
+def draft_vocabulary(data: dict, size: int) -> torch.Tensor:
+    """The ``size`` most frequent reply tokens (positions >= prompt_len), always including the
+    ids below 3 (bos/eos/pad); sorted int64 [size] (ties go to the lower id)."""
+    tokens, offsets, plens = data["tokens"].long(), data["offsets"], data["prompt_lens"]
+    seq = torch.repeat_interleave(torch.arange(len(plens)), offsets.diff())
+    reply = torch.arange(len(tokens)) - offsets[seq] >= plens[seq]
+    counts = torch.bincount(tokens[reply], minlength=int(tokens.max()) + 1).double()
+    counts[:3] = counts.max() + 1
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order[:size].sort().values
+
+
+def vocab_lookup(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V] int64: a token's index in the draft vocabulary ``ids``, or OOV."""
+    lookup = torch.full((vocab_size,), OOV, dtype=torch.long)
+    lookup[ids.long()] = torch.arange(len(ids))
+    return lookup
+
+
+def load_data(data_dir: Path | None = None) -> dict:
+    """:func:`distill.load_dataset` plus ``heldout``: how many final sequences (the last shard's)
+    are kept for evaluation."""
+    data_dir = Path(data_dir or distill.default_data_dir())
+    data = distill.load_dataset(data_dir)
+    last = sorted(data_dir.glob("shard-*.pt"))[-1]
+    data["heldout"] = len(torch.load(last, mmap=True)["prompt_lens"])
+    return data
+
+
+def split(data: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training sequence ids, held-out ids): the last ``data['heldout']`` sequences (default
+    1/12) are held out, unless that would leave nothing to train on."""
+    s = len(data["prompt_lens"])
+    held = min(data.get("heldout", max(1, s // 12)), s - 1)
+    return torch.arange(s - held), torch.arange(s - held, s)
+
+
+@dataclass
+class Batch:
+    """Right-padded windows: tokens [B, T] int64, features [B, T, D], positions [B, T] (in the
+    sequence), lengths [B] (real positions per window), prompt_lens [B] (in the sequence)."""
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    positions: torch.Tensor
+    lengths: torch.Tensor
+    prompt_lens: torch.Tensor
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
+        return Batch(self.tokens.to(device), self.features.to(device, dtype),
+                     self.positions.to(device), self.lengths.to(device),
+                     self.prompt_lens.to(device))
+
+
+def make_batch(data: dict, spans: list[tuple[int, int]], width: int) -> Batch:
+    """Windows (sequence id, start) of at most ``width`` positions each, gathered and padded."""
+    offsets, feats = data["offsets"], data["features"]
+    ends = [min(int(offsets[s + 1]), int(offsets[s]) + a + width) for s, a in spans]
+    lens = [e - int(offsets[s]) - a for (s, a), e in zip(spans, ends)]
+    t = max(lens)
+    tokens = torch.zeros(len(spans), t, dtype=torch.long)
+    features = torch.zeros(len(spans), t, feats.shape[1], dtype=feats.dtype)
+    for row, (e, n) in enumerate(zip(ends, lens)):
+        tokens[row, :n] = data["tokens"][e - n:e].long()
+        features[row, :n] = feats[e - n:e]
+    starts = torch.tensor([a for _, a in spans])
+    return Batch(tokens, features, starts[:, None] + torch.arange(t), torch.tensor(lens),
+                 data["prompt_lens"][[s for s, _ in spans]].long())
+
+
+def window_start(length: int, prompt_len: int, width: int, gen: torch.Generator) -> int:
+    """Half the time the earliest start whose window reaches the sequence's end, else a
+    random one between it and the reply's first token (the reply is always covered)."""
+    lo = max(0, length - width)
+    hi = max(lo, min(prompt_len, length - 2))
+    if hi == lo or torch.rand((), generator=gen) < 0.5:
+        return lo
+    return int(torch.randint(lo, hi + 1, (), generator=gen))
+
+
+def sample_batch(data: dict, seqs: torch.Tensor, gen: torch.Generator, batch: int = BATCH,
+                 width: int = WINDOW) -> Batch:
+    """``batch`` random windows from the sequences ``seqs``."""
+    picks = seqs[torch.randint(len(seqs), (batch,), generator=gen)].tolist()
+    lengths = data["offsets"].diff()
+    spans = [(s, window_start(int(lengths[s]), int(data["prompt_lens"][s]), width, gen))
+             for s in picks]
+    return make_batch(data, spans, width)
+
+
+# -------------------------------------------------------------------------------------- losses
+
+def ahead(x: torch.Tensor, k: int, fill: float = 0) -> torch.Tensor:
+    """x [B, T, ...] shifted left by k along T (x[:, t + k] at t), ``fill`` past the end."""
+    out = torch.full_like(x, fill)
+    if k < x.shape[1]:
+        out[:, :x.shape[1] - k] = x[:, k:]
+    return out
+
+
+def labels_at(batch: Batch, lookup: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels [B, T]: the draft index of x_{t+k}, OOV outside the vocabulary, IGNORE past the
+    window; reply [B, T] bool: x_{t+k} is a reply token)."""
+    t = torch.arange(batch.tokens.shape[1], device=batch.tokens.device)
+    valid = t + k < batch.lengths[:, None]
+    labels = torch.where(valid, lookup[ahead(batch.tokens, k)], IGNORE)
+    return labels, valid & (batch.positions + k >= batch.prompt_lens[:, None])
+
+
+def ce(head: DraftHead, x: torch.Tensor, labels: torch.Tensor, reply: torch.Tensor
+       ) -> torch.Tensor:
+    """Weighted mean CE of head(x) [B, T, D] over in-vocabulary labels [B, T] (reply labels
+    weigh 1, prompt labels PROMPT_WEIGHT); the head runs only where there is a label."""
+    sel = labels >= 0
+    w = torch.where(reply[sel], 1.0, PROMPT_WEIGHT)
+    loss = F.cross_entropy(head(x[sel]), labels[sel], reduction="none")
+    return (loss * w).sum() / w.sum().clamp_min(1e-6)
+
+
+def feature_step(drafter: nn.Module, target: Transformer, batch: Batch, features: torch.Tensor,
+                 k: int) -> torch.Tensor:
+    """Depth k of a feature drafter: D(embed(x_{t+k}), features [B, T, D]) at positions + k - 1
+    -> f [B, T, D], a guess of h_{t+k} (predicting x_{t+k+1})."""
+    tokens = target.embed(ahead(batch.tokens, k))
+    return drafter(tokens, features, batch.positions + k - 1)
+
+
+def eagle_loss(drafter, head, target, batch: Batch, lookup) -> torch.Tensor:
+    """CE(head(f), x_{t+2}) + 0.1 smooth_l1(f, h_{t+1}) + 0.5 CE(head(f2), x_{t+3})."""
+    f = feature_step(drafter, target, batch, batch.features, 1)
+    loss = ce(head, f, *labels_at(batch, lookup, 2))
+    t = torch.arange(f.shape[1], device=f.device)
+    has_next = t + 1 < batch.lengths[:, None]
+    reg = F.smooth_l1_loss(f[has_next], ahead(batch.features, 1)[has_next])
+    f2 = feature_step(drafter, target, batch, f.detach(), 2)
+    return loss + EAGLE_REG * reg + EAGLE_SECOND * ce(head, f2, *labels_at(batch, lookup, 3))
+
+
+def mtp_loss(drafter, head, target, batch: Batch, lookup) -> torch.Tensor:
+    """CE at depth 1 plus CE at depth 2 (depth 2 reads depth 1's output, not detached)."""
+    f = feature_step(drafter, target, batch, batch.features, 1)
+    f2 = feature_step(drafter, target, batch, f, 2)
+    return ce(head, f, *labels_at(batch, lookup, 2)) + ce(head, f2, *labels_at(batch, lookup, 3))
+
+
+def medusa_loss(drafter, head, target, batch: Batch, lookup) -> torch.Tensor:
+    """sum_i 0.8^i CE(head(head_i(h_t)), x_{t+2+i})."""
+    states = drafter(batch.features)                         # [K, B, T, D]
+    return sum(MEDUSA_DECAY ** i * ce(head, s, *labels_at(batch, lookup, 2 + i))
+               for i, s in enumerate(states))
+
+
+def draft_model_loss(drafter, head, target, batch: Batch, lookup) -> torch.Tensor:
+    """Next-token CE of the small Llama (reply labels 1, prompt labels 0.3)."""
+    h = drafter.hidden_states(batch.tokens, positions=batch.positions)
+    return ce(head, h, *labels_at(batch, lookup, 1))
+
+
+LOSSES = {"eagle": eagle_loss, "mtp": mtp_loss, "medusa": medusa_loss,
+          "draft_model": draft_model_loss}
+
+
+# ---------------------------------------------------------------------------------- evaluation
+
+def eval_states(method: str, drafter, target, batch: Batch) -> list[tuple[torch.Tensor, int]]:
+    """(states [B, T, D], k) per drafted position: head(states) at t predicts x_{t+k}. Feature
+    drafters read their own outputs from depth 2 on (the true tokens, as after acceptances)."""
+    if method == "medusa":
+        return [(s, 2 + i) for i, s in enumerate(drafter(batch.features))]
+    if method == "draft_model":
+        return [(drafter.hidden_states(batch.tokens, positions=batch.positions), 1)]
+    out, f = [], batch.features
+    for k in range(1, EVAL_DEPTH + 1):
+        f = feature_step(drafter, target, batch, f, k)
+        out.append((f, k + 1))
+    return out
+
+
+@torch.no_grad()
+def evaluate(method: str, drafter, head: DraftHead, target, data: dict, seqs: torch.Tensor,
+             lookup: torch.Tensor, batch: int = BATCH, width: int = WINDOW) -> dict:
+    """Held-out accuracy at reply labels: ``heldout_accuracy`` [positions] (top-1) and
+    ``topk_accuracy`` [positions][TOPK] (P(the rank-r candidate is the true token))."""
+    device, dtype = target.device, target.dtype
+    hits, counts = 0, 0
+    lengths = data["offsets"].diff()
+    for i in range(0, len(seqs), batch):
+        spans = [(s, max(0, int(lengths[s]) - width)) for s in seqs[i:i + batch].tolist()]
+        b = make_batch(data, spans, width).to(device, dtype)
+        rows, n = [], []
+        for states, k in eval_states(method, drafter, target, b):
+            labels, reply = labels_at(b, lookup.to(device), k)
+            top = head(states[reply]).topk(TOPK, dim=-1).indices
+            rows.append((top == labels[reply][:, None]).double().sum(0).cpu())
+            n.append(float(reply.sum()))
+        hits, counts = hits + torch.stack(rows), counts + torch.tensor(n, dtype=torch.double)
+    acc = hits / counts.clamp_min(1.0)[:, None]
+    return {"heldout_accuracy": [round(float(a), 4) for a in acc[:, 0]],
+            "topk_accuracy": [[round(float(a), 4) for a in row] for row in acc]}
+
+
+# ------------------------------------------------------------------------------------ training
+
+def drafter_config(method: str, target: Transformer, draft_vocab: int | None = None
+                   ) -> DrafterConfig:
+    """The method's config at the target's width, heads and RoPE."""
+    c, draft_vocab = target.cfg, draft_vocab or DRAFT_VOCAB
+    return DrafterConfig(method=method, d_model=c.d_model, n_heads=c.n_heads,
+                         n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
+                         norm_eps=c.norm_eps, draft_vocab=draft_vocab, **CONFIGS[method])
+
+
+def lr_at(step: int, steps: int, lr: float = LR, warmup: int = WARMUP) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``steps``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def make_optimizer(drafter: nn.Module, target: Transformer) -> torch.optim.Optimizer:
+    params = [p for p in own_parameters(drafter, target).values()
+              if isinstance(p, nn.Parameter) and p.requires_grad]
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def train_step(method: str, drafter, head, target, batch: Batch, lookup: torch.Tensor,
+               opt: torch.optim.Optimizer) -> float:
+    """One optimizer step on ``batch``; returns the loss."""
+    loss = LOSSES[method](drafter, head, target, batch, lookup)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], CLIP)
+    opt.step()
+    return loss.item()
+
+
+def checkpoint_path(method: str) -> Path:
+    return distill.cache_dir() / "spec-train" / f"{method}.ckpt"
+
+
+@dataclass
+class State:
+    """What a checkpoint holds besides the drafter and the optimizer."""
+
+    step: int
+    losses: list[float]
+    seconds: float
+    draft_ids: torch.Tensor
+    gen: torch.Generator
+
+
+def save_checkpoint(path: Path, drafter, target, opt, st: State) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = {"drafter": {k: v.detach() for k, v in own_parameters(drafter, target).items()},
+            "optimizer": opt.state_dict(), "step": st.step, "losses": st.losses,
+            "seconds": st.seconds, "draft_ids": st.draft_ids, "rng": st.gen.get_state()}
+    torch.save(blob, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)                   # whole or absent
+
+
+def load_checkpoint(path: Path, drafter, opt) -> State:
+    blob = torch.load(path, map_location="cpu")
+    drafter.load_state_dict(blob["drafter"], strict=False)
+    opt.load_state_dict(blob["optimizer"])
+    gen = torch.Generator()
+    gen.set_state(blob["rng"])
+    return State(blob["step"], blob["losses"], blob["seconds"], blob["draft_ids"], gen)
+
+
+@dataclass
+class Trained:
+    drafter: nn.Module
+    head: DraftHead
+    cfg: DrafterConfig
+    state: State
+    lookup: torch.Tensor
+
+
+def train(method: str, target: Transformer, data: dict, steps: int, *, fresh: bool = False,
+          ckpt: Path | None = None, draft_vocab: int | None = None, batch: int = BATCH,
+          width: int = WINDOW, seed: int = 0, progress: bool = True) -> Trained:
+    """Train (or resume training) ``method``'s drafter for ``steps`` steps in all."""
+    ckpt, draft_vocab = ckpt or checkpoint_path(method), draft_vocab or DRAFT_VOCAB
+    cfg = drafter_config(method, target, draft_vocab)
+    torch.manual_seed(seed)
+    drafter = build_drafter(cfg, target).to(target.device, target.dtype).train()
+    opt = make_optimizer(drafter, target)
+    if ckpt.exists() and not fresh:
+        st = load_checkpoint(ckpt, drafter, opt)
+    else:
+        st = State(0, [], 0.0, draft_vocabulary(data, draft_vocab),
+                   torch.Generator().manual_seed(seed))
+    head = DraftHead(target.lm_head.weight, st.draft_ids.to(target.device))
+    lookup = vocab_lookup(st.draft_ids, target.cfg.vocab_size).to(target.device)
+    train_loop(method, drafter, head, target, data, opt, st, steps, ckpt, lookup,
+               batch, width, progress)
+    return Trained(drafter.eval(), head, cfg, st, lookup)
+
+
+def train_loop(method, drafter, head, target, data, opt, st: State, steps: int, ckpt: Path,
+               lookup, batch: int, width: int, progress: bool) -> None:
+    """Steps st.step .. steps - 1, a checkpoint every CKPT_EVERY steps and at the end."""
+    seqs, _ = split(data)
+    bar = tqdm(total=steps, initial=st.step, desc=method, disable=not progress)
+    while st.step < steps:
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(st.step, steps)
+        b = sample_batch(data, seqs, st.gen, batch, width).to(target.device, target.dtype)
+        st.losses.append(train_step(method, drafter, head, target, b, lookup, opt))
+        st.step += 1
+        st.seconds += time.perf_counter() - t0
+        bar.update(1)
+        bar.set_postfix(loss=f"{sum(st.losses[-20:]) / len(st.losses[-20:]):.3f}")
+        if st.step % CKPT_EVERY == 0 or st.step == steps:
+            save_checkpoint(ckpt, drafter, target, opt, st)
+    bar.close()
+
+
+# ---------------------------------------------------------------------------------- the runner
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    """'cpu (2 threads)' or the GPU's name."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({torch.get_num_threads()} threads)"
+
+
+def manifest(method: str, data: dict, trained: Trained, scores: dict) -> dict:
+    """The manifest fields :func:`weights.save_drafter` is given."""
+    st = trained.state
+    out = {"script": "minillm/spec/train.py",
+           "data": {"sequences": len(data["prompt_lens"]), "tokens": len(data["tokens"]),
+                    "prompts": "minillm.spec.prompts.training_prompts"},
+           "steps": st.step, "final_loss": round(sum(st.losses[-100:]) /
+                                                 max(1, len(st.losses[-100:])), 4),
+           "heldout_accuracy": scores["heldout_accuracy"], "commit": git_commit(),
+           "seconds": round(st.seconds, 1), "device": device_name(trained.head.rows.device)}
+    if method == "medusa":
+        out["head_accuracy"] = scores["topk_accuracy"]
+    return out
+
+
+def run(method: str, target: Transformer, data: dict, steps: int | None = None,
+        fresh: bool = False, out: Path | None = None) -> Path:
+    """Train ``method``, measure it on the held-out sequences, write weights + manifest."""
+    trained = train(method, target, data, steps or DEFAULT_STEPS[method], fresh=fresh)
+    scores = evaluate(method, trained.drafter, trained.head, target, data, split(data)[1],
+                      trained.lookup)
+    path = weights.save_drafter(trained.drafter, target, trained.cfg, trained.state.draft_ids,
+                                manifest(method, data, trained, scores), path=out)
+    print(f"{method}: held-out accuracy {scores['heldout_accuracy']} -> {path} "
+          f"({path.stat().st_size / 1e6:.1f} MB)")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m minillm.spec.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("method", nargs="?", default="all", choices=[*LOSSES, "all"])
+    p.add_argument("--steps", type=int, default=None, help="steps per drafter")
+    p.add_argument("--fresh", action="store_true", help="ignore a saved checkpoint")
+    p.add_argument("--data-only", action="store_true", help="only make the distillation data")
+    args = p.parse_args(argv)
+    if args.data_only or args.method == "all":
+        distill.make_dataset()
+        if args.data_only:
+            return
+    from .. import load_model
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target, _ = load_model("smollm2-135m", device=device, dtype=torch.float32)
+    data = load_data()
+    for method in LOSSES if args.method == "all" else [args.method]:
+        run(method, target, data, args.steps, args.fresh)
+
+
+if __name__ == "__main__":
+    main()

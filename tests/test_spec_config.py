@@ -1,0 +1,73 @@
+"""Bad speculative configurations fail at construction with the option named; drafter weight
+files are checked (missing, changed, for another model)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_checks import sharp_model
+from test_spec_engine import random_drafter
+
+from minillm import SamplingParams
+from minillm.engine import EngineConfig, LLMEngine
+from minillm.spec import SpeculativeConfig, build_speculator
+from minillm.spec.weights import load_drafter, save_drafter
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"method": "lookahead"}, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be in \[1, 12\]"),
+    ({"method": "eagle", "num_speculative_tokens": 9}, r"num_speculative_tokens must be in \[1, 8\]"),
+    ({"method": "ngram", "lookahead": 3}, r"unknown keys \['lookahead'\]"),
+    ({"method": "ngram", "prompt_lookup_min": 4}, "prompt_lookup_min <= prompt_lookup_max"),
+    ({"method": "eagle", "tree_nodes": 0}, "tree_nodes and tree_topk must be >= 1"),
+    ({"num_speculative_tokens": 3}, "must be a dict with a 'method'"),
+])
+def test_bad_configs_name_the_option(options, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict(options)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sharp_model(torch.float32)
+
+
+def test_medusa_lookahead_is_bounded_by_its_heads(model):
+    drafter = random_drafter("medusa", model)         # 4 heads
+    with pytest.raises(ValueError, match=r"in \[1, 4\] for medusa"):
+        build_speculator({"method": "medusa", "num_speculative_tokens": 5}, model, 64, 4,
+                         drafter=drafter)
+
+
+def test_options_speculation_cannot_serve(model):
+    spec = build_speculator({"method": "ngram", "num_speculative_tokens": 8}, model, 64, 4)
+    small = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_seqs=8,
+                                                max_num_batched_tokens=64))
+    with pytest.raises(ValueError, match="max_num_batched_tokens >= max_num_seqs x"):
+        small.use_speculator(spec)
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_seqs=4))
+    engine.use_speculator(spec)
+    with pytest.raises(ValueError, match="beam search"):
+        engine.add_request([5, 6, 7], SamplingParams(beam_width=2, max_tokens=4))
+    rid = engine.add_request([5, 6, 7, 5, 6], SamplingParams(max_tokens=4))
+    while engine.has_unfinished():          # the engine keeps serving
+        engine.step()
+    assert rid not in engine.requests and engine.blocks.num_free == 64
+
+
+def test_weight_files_are_checked(model, tmp_path):
+    module, head, _ = random_drafter("eagle", model)
+    path = save_drafter(module, model, module.cfg, head.ids, {"steps": 0}, tmp_path / "eagle.pt")
+    loaded, _, manifest = load_drafter("eagle", model, path)
+    for a, b in zip(loaded.state_dict().values(), module.state_dict().values()):
+        assert torch.allclose(a.float(), b.float(), atol=0.01 * b.float().abs().max() + 1e-6)
+    other = sharp_model(torch.float32, seed=11)
+    with pytest.raises(ValueError, match="trained for another model"):
+        load_drafter("eagle", other, path)
+    with pytest.raises(ValueError, match="holds a 'eagle' drafter, not 'mtp'"):
+        load_drafter("mtp", model, path)
+    with pytest.raises(FileNotFoundError, match="missing.*make drafters"):
+        load_drafter("eagle", model, tmp_path / "nothing.pt")
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(ValueError, match="does not match its manifest"):
+        load_drafter("eagle", model, path)

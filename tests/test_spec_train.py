@@ -1,0 +1,117 @@
+"""Drafter training (minillm.spec.train) on a tiny random target and a synthetic dataset in
+the distillation format: every loss goes down when overfitting one batch, a run resumes from
+its checkpoint exactly, the draft vocabulary is what it should be, and the weights file loads."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm import load_model
+from minillm.spec import train as T
+from minillm.spec import weights
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model("tiny", random_weights=True, dtype=torch.float32, device="cpu")[0]
+
+
+def synthetic_data(target, seqs: int = 12, seed: int = 0) -> dict:
+    """The distillation format: replies drawn from a small pool, features from the target."""
+    g = torch.Generator().manual_seed(seed)
+    toks, plens, feats = [], [], []
+    for _ in range(seqs):
+        p, r = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((6, 12), (12, 30)))
+        ids = torch.cat([torch.randint(3, 400, (p,), generator=g),
+                         torch.randint(3, 60, (r,), generator=g)])
+        with torch.no_grad():
+            feats.append(target.hidden_states(ids[None])[0].to(torch.bfloat16))
+        toks.append(ids)
+        plens.append(p)
+    lens = torch.tensor([len(t) for t in toks])
+    return {"tokens": torch.cat(toks).int(), "prompt_lens": torch.tensor(plens),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
+            "features": torch.cat(feats), "kinds": ["chat"] * seqs, "heldout": 2}
+
+
+@pytest.fixture(scope="module")
+def data(target):
+    return synthetic_data(target)
+
+
+def test_draft_vocabulary(data):
+    ids = T.draft_vocabulary(data, 40)
+    assert len(ids) == 40 and torch.equal(ids, ids.unique())       # sorted, no repeats
+    assert {0, 1, 2} <= set(ids.tolist())
+    assert ids.max() < 60                      # reply tokens only: prompt ids reach 400
+    seq = torch.repeat_interleave(torch.arange(12), data["offsets"].diff())
+    pos = torch.arange(len(data["tokens"])) - data["offsets"][seq]
+    reply = data["tokens"][pos >= data["prompt_lens"][seq]].long()
+    assert reply.bincount().argmax() in ids
+    lookup = T.vocab_lookup(ids, 49152)
+    assert torch.equal(lookup[ids], torch.arange(40)) and lookup[400] == T.OOV
+
+
+@pytest.mark.parametrize("method", list(T.LOSSES))
+def test_overfits_one_batch(method, target, data):
+    torch.manual_seed(0)
+    cfg = T.drafter_config(method, target, draft_vocab=64)
+    drafter = T.build_drafter(cfg, target).train()
+    ids = T.draft_vocabulary(data, 64)
+    head, lookup = T.DraftHead(target.lm_head.weight, ids), T.vocab_lookup(ids, 49152)
+    batch = T.sample_batch(data, T.split(data)[0], torch.Generator().manual_seed(0), 4, 24)
+    batch = batch.to(target.device, target.dtype)
+    opt = T.make_optimizer(drafter, target)
+    for g in opt.param_groups:
+        g["lr"] = 1e-2 if method == "medusa" else 3e-3   # Medusa's heads start at zero
+    losses = [T.train_step(method, drafter, head, target, batch, lookup, opt) for _ in range(30)]
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert not any(p.grad is not None for p in target.parameters())
+
+
+def test_resume_continues_where_it_stopped(target, data, tmp_path, monkeypatch):
+    kw = dict(draft_vocab=64, batch=4, width=24, progress=False)
+    whole = T.train("eagle", target, data, 15, ckpt=tmp_path / "a.ckpt", **kw).state
+    monkeypatch.setattr(T, "CKPT_EVERY", 10)
+    step, calls = T.train_step, []
+
+    def interrupted(*args):
+        if len(calls) == 10:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return step(*args)
+
+    monkeypatch.setattr(T, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        T.train("eagle", target, data, 15, ckpt=tmp_path / "b.ckpt", **kw)
+    monkeypatch.setattr(T, "train_step", step)
+    assert torch.load(tmp_path / "b.ckpt")["step"] == 10
+    resumed = T.train("eagle", target, data, 15, ckpt=tmp_path / "b.ckpt", **kw).state
+    assert resumed.step == 15 and len(resumed.losses) == 15
+    assert resumed.losses == pytest.approx(whole.losses, rel=1e-4)
+    fresh = T.train("eagle", target, data, 3, ckpt=tmp_path / "b.ckpt", fresh=True, **kw).state
+    assert fresh.step == 3
+
+
+def test_lr_schedule():
+    assert T.lr_at(0, 1000) == pytest.approx(T.LR / T.WARMUP)
+    assert T.lr_at(T.WARMUP, 1000) == pytest.approx(T.LR)
+    assert T.lr_at(999, 1000) < 0.01 * T.LR
+
+
+def test_run_writes_a_loadable_drafter(target, data, tmp_path, monkeypatch):
+    monkeypatch.setattr(T, "DRAFT_VOCAB", 64)
+    monkeypatch.setattr(T, "checkpoint_path", lambda m: tmp_path / f"{m}.ckpt")
+    pt = T.run("medusa", target, data, steps=4, out=tmp_path / "medusa.pt")
+    drafter, head, man = weights.load_drafter("medusa", target, pt)
+    assert man["steps"] == 4 and man["data"]["sequences"] == 12
+    assert len(man["heldout_accuracy"]) == 5
+    acc = torch.tensor(man["head_accuracy"])
+    assert acc.shape == (5, T.TOPK) and (acc >= 0).all() and acc.sum(1).max() <= 1 + 1e-6
+    assert len(head.ids) == 64
+
+
+def test_ahead_past_the_end():
+    x = torch.arange(6).view(2, 3)
+    assert torch.equal(T.ahead(x, 1, -1), torch.tensor([[1, 2, -1], [4, 5, -1]]))
+    assert (T.ahead(x, 5, -1) == -1).all()
