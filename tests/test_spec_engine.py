@@ -86,6 +86,37 @@ def test_greedy_equals_the_target(model, reference, method):
     assert engine.speculator.stats.rounds > 0
 
 
+def test_logprobs_and_stop_match_the_plain_engine(model, reference):
+    prompts, _ = reference
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, ignore_eos=True)
+    want = run_all(engine_for(model, None), prompts, params)
+    got = run_all(engine_for(model, "ngram"), prompts, params)
+    for a, b in zip(want, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for da, db in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert da.keys() == db.keys()
+            assert all(abs(da[t] - db[t]) < 1e-4 for t in da)
+
+
+def test_stop_strings_end_inside_an_accepted_draft(model, reference):
+    """A stop string met in the middle of a round's accepted tokens ends the text there, as
+    without speculation (SmolLM2's tokenizer over the tiny model's tokens)."""
+    from minillm.checkpoint.loader import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    prompts, expect = reference
+    full = tok.decode(expect[-1][0])
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    params = SamplingParams(temperature=0.0, max_tokens=24, stop=[stop], ignore_eos=True)
+    outs = []
+    for method in (None, "ngram"):
+        engine = engine_for(model, method)
+        engine.tokenizer = tok
+        outs.append(run_all(engine, prompts[-1:], params)[0].outputs[0])
+    assert outs[0].text == outs[1].text == full[:full.index(stop)]
+    assert outs[1].finish_reason == "stop"
+
+
 def assert_drafter_free(engine):
     cache = getattr(engine.speculator.proposer, "cache", None)
     if cache is not None:

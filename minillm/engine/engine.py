@@ -469,8 +469,8 @@ class LLMEngine:
             lp, top = 0.0, None
             if want:
                 lp = float(logp[node, tok])
-                top = list(zip(*[t.tolist() for t in logp[node].topk(req.params.logprobs)])) \
-                    if req.params.logprobs else []
+                best = logp[node].topk(req.params.logprobs) if req.params.logprobs else None
+                top = list(zip(best.indices.tolist(), best.values.tolist())) if best else []
             self._append(req, seq, tok, lp, top)
             if seq.finished:
                 break
