@@ -26,7 +26,7 @@ from minillm.bench.common import machine_info
 from minillm.checkpoint import load_model
 from minillm.device import resolve_device, sync
 from minillm.engine import EngineConfig, LLMEngine
-from minillm.spec.drafters import DraftHead, DrafterConfig, build_drafter
+from minillm.spec.drafters import DrafterConfig, DraftHead, build_drafter
 from minillm.spec.speculator import build_speculator
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

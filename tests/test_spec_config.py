@@ -15,8 +15,8 @@ from minillm.spec.weights import load_drafter, save_drafter
 
 @pytest.mark.parametrize("options, match", [
     ({"method": "lookahead"}, "method must be one of"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be in \[1, 12\]"),
-    ({"method": "eagle", "num_speculative_tokens": 9}, r"num_speculative_tokens must be in \[1, 8\]"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"tokens must be in \[1, 12\]"),
+    ({"method": "eagle", "num_speculative_tokens": 9}, r"tokens must be in \[1, 8\]"),
     ({"method": "ngram", "lookahead": 3}, r"unknown keys \['lookahead'\]"),
     ({"method": "ngram", "prompt_lookup_min": 4}, "prompt_lookup_min <= prompt_lookup_max"),
     ({"method": "eagle", "tree_nodes": 0}, "tree_nodes and tree_topk must be >= 1"),

@@ -11,7 +11,10 @@ a given passage, code edits) and ``free`` writing. Per method:
 - the speedup at batch 4, 16, 64 (all requests at once);
 - the speedup Leviathan et al. (2023) predict from the measured acceptance and cost:
   (1 - a^(k+1)) / ((1 - a)(k c + 1)), with a solved from the mean tokens per round and k c the
-  drafter's seconds per round over the plain engine's seconds per token.
+  drafter's seconds per round over the plain engine's seconds per token. (For a tree, k is its
+  depth: the formula's chain of i.i.d. acceptances is then only an approximation, and it
+  assumes a verification pass costs one plain decode step, which ``nodes_per_round`` shows it
+  does not for wide trees.)
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class Run:
     mean_accepted: float
     propose_seconds: float
     rounds: int
+    nodes_per_round: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -98,7 +102,8 @@ def measure(model, tok, method: str | None, k: int, kind: str, prompts: list[lis
     s = spec.stats if spec is not None else None
     return Run(method or "none", k, kind, batch, seconds, tokens,
                s.acceptance_by_position if s else [], s.mean_accepted if s else 1.0,
-               s.propose_seconds if s else 0.0, s.rounds if s else 0)
+               s.propose_seconds if s else 0.0, s.rounds if s else 0,
+               s.nodes / s.rounds if s and s.rounds else 0.0)
 
 
 def acceptance_rate(mean_tokens: float, k: int) -> float:
@@ -150,7 +155,7 @@ def run_spec_bench(model: str = "smollm2-135m", methods=METHODS, ks=(1, 2, 4, 6,
     for m in methods:
         for kind in KINDS:
             go(m, DEFAULT_K[m], kind, by_kind[kind], 1)
-        for k in ks:
+        for k in sorted(set(ks) | {DEFAULT_K[m]}):      # the default k too, for the plots
             if k <= MAX_TOKENS[m] and not (m == "medusa" and k > 5):
                 go(m, k, "mixed", mixed, 1)
         for b in batches:

@@ -31,10 +31,11 @@ class SpecStats:
     accepted: list[int] = field(default_factory=list)
     rounds: int = 0
     emitted: int = 0
+    nodes: int = 0                   # draft tokens verified, over all rounds
     propose_seconds: float = 0.0     # wall time in the drafter (all of its work)
     verify_seconds: float = 0.0      # wall time in the verification rules
 
-    def add(self, depth: int, kept: int) -> None:
+    def add(self, depth: int, kept: int, nodes: int = 0) -> None:
         grow = max(depth, kept) - len(self.proposed)
         self.proposed += [0] * grow
         self.accepted += [0] * grow
@@ -44,6 +45,7 @@ class SpecStats:
             self.accepted[i] += 1
         self.rounds += 1
         self.emitted += kept + 1
+        self.nodes += nodes or depth
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -88,7 +90,7 @@ class Speculator:
                 path = list(range(1, a + 1))
             else:
                 path, nxt = tree_accept(children, tokens, None, p, generator)
-        self.stats.add(max(draft.depths()), len(path))
+        self.stats.add(max(draft.depths()), len(path), len(draft.tokens))
         self.stats.verify_seconds += time.perf_counter() - start
         return path, nxt
 

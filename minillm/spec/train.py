@@ -57,7 +57,7 @@ CONFIGS = {"eagle": dict(layers=1, ffn_dim=1536), "mtp": dict(layers=1, ffn_dim=
            "medusa": dict(num_heads=5), "draft_model": dict(layers=2, ffn_dim=1536)}
 # ~10 minutes each on 2 CPU cores: 1 thread measured 1.87 (eagle), 1.95 (mtp), 1.48 (medusa)
 # and 1.36 (draft_model) s/step; 2 threads are about 1.6-1.9x faster
-DEFAULT_STEPS = {"eagle": 500, "mtp": 480, "medusa": 600, "draft_model": 660}
+DEFAULT_STEPS = {"eagle": 500, "mtp": 480, "medusa": 400, "draft_model": 450}
 DRAFT_VOCAB = 8192
 WINDOW, BATCH = 256, 16
 LR, WARMUP, CLIP, WEIGHT_DECAY = 1e-3, 50, 1.0, 0.0

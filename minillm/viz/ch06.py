@@ -1,0 +1,167 @@
+"""Plots of chapter 06 (speculative decoding). Each function returns a matplotlib Figure; save
+it with :func:`minillm.viz.save`. The benchmark's three-panel figure is
+:func:`minillm.viz.bench.plot_spec`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+KEPT, ACCEPTED, PRUNED = "tab:blue", "tab:green", "lightgrey"
+
+
+def plot_forward_cost(tokens: Sequence[int], ms: Sequence[float],
+                      title: str = "one forward pass with a KV-cached context") -> plt.Figure:
+    """Time of one target forward against the number of new tokens in it, with the line a
+    pass would follow if its cost grew in proportion to its tokens (from the 1-token time)."""
+    tokens, ms = np.asarray(tokens), np.asarray(ms, dtype=float)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    ax = axes[0]
+    ax.plot(tokens, ms, "o-", label="measured")
+    ax.plot(tokens, ms[0] * tokens / tokens[0], "--", color="grey",
+            label="proportional to tokens")
+    ax.set(xlabel="new tokens in the pass", ylabel="ms per forward", xscale="log", yscale="log",
+           title=title)
+    ax.set_xticks(tokens, [str(t) for t in tokens])
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    ax.bar([str(t) for t in tokens], ms / tokens, color="tab:blue")
+    ax.set(xlabel="new tokens in the pass", ylabel="ms per token", title="cost per token")
+    fig.tight_layout()
+    return fig
+
+
+def plot_distribution_check(p: Sequence[float], empirical_good: Sequence[float],
+                            empirical_biased: Sequence[float], q: Sequence[float] | None = None,
+                            labels: tuple[str, str] = ("lossless rule", "biased: resample from p")
+                            ) -> plt.Figure:
+    """Bars per token: the target p, the drafter q (optional), and the emitted tokens'
+    empirical distributions under the lossless rule and a biased one."""
+    v = np.arange(len(p))
+    series = [("target p", p, "black")] + ([("drafter q", q, "lightgrey")] if q is not None
+                                           else [])
+    series += [(labels[0], empirical_good, "tab:green"), (labels[1], empirical_biased, "tab:red")]
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for i, (name, vals, color) in enumerate(series):
+        ax.bar(v + (i - (len(series) - 1) / 2) * width, np.asarray(vals, dtype=float), width,
+               label=name, color=color)
+    top = max(float(np.max(np.asarray(vals, dtype=float))) for _, vals, _ in series)
+    ax.set(xlabel="token", ylabel="probability", xticks=v, ylim=(0, 1.3 * top),
+           title="emitted tokens vs the target distribution")
+    ax.legend(fontsize=8, ncol=len(series), loc="upper center")
+    fig.tight_layout()
+    return fig
+
+
+def tree_layout(parents: Sequence[int]) -> tuple[list[float], list[int]]:
+    """x and depth of every node of a draft tree (node 0 the root, node i + 1 under
+    ``parents[i]``): leaves side by side in depth-first order, a parent centred over its
+    children."""
+    n = len(parents) + 1
+    children: list[list[int]] = [[] for _ in range(n)]
+    depth = [0] * n
+    for i, p in enumerate(parents, start=1):
+        children[p].append(i)
+        depth[i] = depth[p] + 1
+    x = [0.0] * n
+    next_leaf = [0]
+
+    def place(node: int) -> float:
+        if not children[node]:
+            x[node] = float(next_leaf[0])
+            next_leaf[0] += 1
+        else:
+            xs = [place(c) for c in children[node]]
+            x[node] = (xs[0] + xs[-1]) / 2
+        return x[node]
+
+    place(0)
+    return x, depth
+
+
+def plot_tree(tokens: Sequence[int], parents: Sequence[int], labels: Sequence[str],
+              kept: Sequence[int] | None = None, accepted: Sequence[int] | None = None,
+              root_label: str = "root", title: str = "draft tree") -> plt.Figure:
+    """A draft tree level by level: node i + 1 holds ``tokens[i]``, shown as ``labels[i]``
+    (its text), under ``parents[i]``. ``kept``: the nodes (1-based) that went to verification
+    (others drawn grey: grown, then pruned); ``accepted``: the path the target accepted (green).
+    """
+    if not len(tokens) == len(parents) == len(labels):
+        raise ValueError(f"tokens, parents and labels must have one entry per node, got "
+                         f"{len(tokens)}, {len(parents)}, {len(labels)}")
+    x, depth = tree_layout(parents)
+    keep = set(kept) if kept is not None else set(range(1, len(tokens) + 1))
+    path = set(accepted or ())
+    leaves = max(x) + 1
+    fig, ax = plt.subplots(figsize=(min(24, max(6, 0.42 * leaves)), 1.3 + 1.1 * max(depth)))
+    for i, p in enumerate(parents, start=1):
+        on_path = i in path and (p == 0 or p in path)
+        ax.plot([x[p], x[i]], [-depth[p], -depth[i]], lw=2.2 if on_path else 0.8,
+                color=ACCEPTED if on_path else ("grey" if i in keep else PRUNED), zorder=1)
+    ax.scatter([x[0]], [0], s=160, color="black", zorder=2)
+    ax.annotate(root_label, (x[0], 0), xytext=(0, 9), textcoords="offset points", ha="center",
+                fontsize=8)
+    for i in range(1, len(tokens) + 1):
+        color = ACCEPTED if i in path else (KEPT if i in keep else PRUNED)
+        ax.scatter([x[i]], [-depth[i]], s=60, color=color, zorder=2)
+        ax.annotate(_short(labels[i - 1]), (x[i], -depth[i]), xytext=(0, -7),
+                    textcoords="offset points", ha="center", va="top", rotation=90,
+                    fontsize=7, color="black" if i in keep else "grey", zorder=3,
+                    bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.85))
+    ax.set_yticks([-d for d in range(max(depth) + 1)],
+                  ["root"] + [f"depth {d}" for d in range(1, max(depth) + 1)])
+    ax.set_xticks([])
+    ax.set_ylim(-max(depth) - 0.9, 0.6)
+    ax.set_xlim(-0.7, leaves - 0.3)
+    for side in ("top", "right", "bottom"):
+        ax.spines[side].set_visible(False)
+    handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=lab) for c, lab in
+               [(KEPT, "verified"), (ACCEPTED, "accepted"), (PRUNED, "pruned")]
+               if (c != PRUNED or kept is not None) and (c != ACCEPTED or accepted)]
+    ax.legend(handles=handles, fontsize=8, loc="upper right")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def _short(text: str, width: int = 10) -> str:
+    text = repr(text)[1:-1].replace(" ", "␣")   # newlines and spaces visible
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def plot_acceptance(acceptance: dict[str, Sequence[float]],
+                    title: str = "acceptance by draft position (batch 1)") -> plt.Figure:
+    """Acceptance rate at each draft position (the fraction of drafts reaching that depth whose
+    accepted path did too), one line per drafter."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for name, acc in acceptance.items():
+        if len(acc):
+            ax.plot(range(1, len(acc) + 1), acc, "o-", label=name)
+    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02), title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_speedups(rows: dict[str, tuple[float, float]],
+                  title: str = "batch 1: measured vs expected speedup") -> plt.Figure:
+    """Per drafter: (measured speedup, Leviathan's expected speedup) as paired bars."""
+    names = list(rows)
+    v = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    ax.bar(v - 0.2, [rows[n][0] for n in names], 0.4, label="measured", color="tab:blue")
+    ax.bar(v + 0.2, [rows[n][1] for n in names], 0.4, label="expected (Leviathan)",
+           color="tab:orange")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set(xticks=v, ylabel="speedup over plain decoding", title=title)
+    ax.set_xticklabels(names)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["plot_acceptance", "plot_distribution_check", "plot_forward_cost", "plot_speedups",
+           "plot_tree", "tree_layout"]
