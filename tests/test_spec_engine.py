@@ -233,12 +233,16 @@ def joint_tv(counts: dict, exact: dict) -> float:
 
 def test_sampling_is_lossless_and_a_biased_rule_is_not(model, monkeypatch):
     """The spec engine's first two tokens against their exact joint distribution (top-4 at
-    temperature 1.5: 16 outcomes); 1200 samples give a TV standard error near 0.02."""
+    temperature 1.5: 16 outcomes); 1200 samples give a TV standard error near 0.02. Measured
+    once at 300 / 1200 / 4800 samples: lossless 0.077 / 0.041 / 0.016, biased 0.171 / 0.147 /
+    0.139."""
     prompt = prompts_of([7], seed=9)[0]
     params = SamplingParams(temperature=1.5, top_k=4)
     exact = exact_joint(model, prompt, params)
     counts, stats = sampled_joint(model, prompt, params, 1200)
     assert 0.05 < stats.acceptance_by_position[0] < 0.95     # both branches exercised
     good = joint_tv(counts, exact)
+    fewer = joint_tv(sampled_joint(model, prompt, params, 300)[0], exact)
     bad = joint_tv(sampled_joint(model, prompt, params, 1200, True, monkeypatch)[0], exact)
-    assert good < 0.06 and bad > good + 0.04, (good, bad)
+    assert good < 0.06 and good < fewer, (good, fewer)     # noise, shrinking with samples
+    assert bad > good + 0.04, (good, bad)                  # a bias that does not

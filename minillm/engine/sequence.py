@@ -73,9 +73,11 @@ class Draft:
         return out
 
     def pruned(self, max_depth: int) -> Draft | None:
-        """The nodes at depth <= max_depth (None if none is left)."""
+        """The nodes at depth <= max_depth (None if none is left; itself if all are)."""
         depth = self.depths()
         keep = [i for i in range(1, len(depth)) if depth[i] <= max_depth]
+        if len(keep) == len(self.tokens):
+            return self
         if not keep:
             return None
         new = {0: 0, **{old: j + 1 for j, old in enumerate(keep)}}
