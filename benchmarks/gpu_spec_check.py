@@ -47,7 +47,7 @@ def engine(model, method: str | None, k: int = 4) -> LLMEngine:
     if method:
         drafter = None if method == "ngram" else random_drafter(method, model)
         eng.use_speculator(build_speculator({"method": method, "num_speculative_tokens": k},
-                                            model, eng.drafter_blocks(), 16, drafter=drafter))
+                                            eng, drafter=drafter))
     return eng
 
 

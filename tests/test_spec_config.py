@@ -34,19 +34,20 @@ def model():
 
 def test_medusa_lookahead_is_bounded_by_its_heads(model):
     drafter = random_drafter("medusa", model)         # 4 heads
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_seqs=4))
     with pytest.raises(ValueError, match=r"in \[1, 4\] for medusa"):
-        build_speculator({"method": "medusa", "num_speculative_tokens": 5}, model, 64, 4,
+        build_speculator({"method": "medusa", "num_speculative_tokens": 5}, engine,
                          drafter=drafter)
 
 
 def test_options_speculation_cannot_serve(model):
-    spec = build_speculator({"method": "ngram", "num_speculative_tokens": 8}, model, 64, 4)
     small = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_seqs=8,
                                                 max_num_batched_tokens=64))
+    options = {"method": "ngram", "num_speculative_tokens": 8}
     with pytest.raises(ValueError, match="max_num_batched_tokens >= max_num_seqs x"):
-        small.use_speculator(spec)
+        small.use_speculator(build_speculator(options, small))
     engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_seqs=4))
-    engine.use_speculator(spec)
+    engine.use_speculator(build_speculator(options, engine))
     with pytest.raises(ValueError, match="beam search"):
         engine.add_request([5, 6, 7], SamplingParams(beam_width=2, max_tokens=4))
     rid = engine.add_request([5, 6, 7, 5, 6], SamplingParams(max_tokens=4))

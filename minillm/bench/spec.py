@@ -30,7 +30,7 @@ from ..device import resolve_device, serving_dtype
 from ..engine import EngineConfig, LLMEngine
 from ..spec.config import MAX_TOKENS
 from ..spec.prompts import KINDS, benchmark_prompts
-from ..spec.speculator import build_speculator
+from ..spec.speculator import SpecStats, build_speculator
 from .common import dtype_name, format_table, machine_info
 
 METHODS = ("ngram", "draft_model", "medusa", "eagle", "mtp")
@@ -72,8 +72,7 @@ def make_engine(model, tok, method: str | None, k: int, max_seqs: int) -> LLMEng
                                                 max_num_batched_tokens=budget))
     if method is not None:
         engine.use_speculator(build_speculator(
-            {"method": method, "num_speculative_tokens": k, "tree_nodes": nodes}, model,
-            engine.drafter_blocks(), engine.blocks.block_size))
+            {"method": method, "num_speculative_tokens": k, "tree_nodes": nodes}, engine))
     return engine
 
 
@@ -97,7 +96,7 @@ def measure(model, tok, method: str | None, k: int, kind: str, prompts: list[lis
     drive(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), 1)   # warm-up
     spec = engine.speculator
     if spec is not None:
-        spec.stats.__init__()
+        spec.stats = SpecStats()                 # count the measured requests only
     seconds, tokens = drive(engine, prompts, params, batch)
     s = spec.stats if spec is not None else None
     return Run(method or "none", k, kind, batch, seconds, tokens,

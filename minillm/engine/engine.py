@@ -137,12 +137,12 @@ class LLMEngine:
             raise ValueError("use_speculator must be called before requests are added")
         self.speculator = speculator
 
-    def drafter_blocks(self) -> int:
+    def drafter_blocks(self, max_draft_tokens: int) -> int:
         """Blocks a drafter's own cache needs to follow every sequence this engine can hold
-        (on the device or swapped out) and its drafts."""
-        c, bs = self.config, self.blocks.block_size
-        return self.blocks.num_blocks + self.blocks.cpu.num_free + \
-            c.max_num_seqs * (2 + 64 // bs)
+        (on the device or swapped out) plus a draft of ``max_draft_tokens`` each."""
+        extra = blocks_for(max_draft_tokens + 1, self.blocks.block_size) + 1
+        return self.blocks.num_blocks + self.blocks.cpu.num_blocks + \
+            self.config.max_num_seqs * extra
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

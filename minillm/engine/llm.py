@@ -45,9 +45,7 @@ class LLM:
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(**engine_options))
         if speculative_config is not None:
             from ..spec.speculator import build_speculator  # technique on top of the core
-            self.engine.use_speculator(build_speculator(
-                speculative_config, self.model, self.engine.drafter_blocks(),
-                self.engine.blocks.block_size))
+            self.engine.use_speculator(build_speculator(speculative_config, self.engine))
         self._inbox: dict[str, RequestOutput | None] = {}   # latest output not yet taken
 
     @property

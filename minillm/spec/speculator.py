@@ -1,7 +1,7 @@
 """The speculator the engine calls: a proposer (which drafter) plus the verification rules,
 with counters of what was proposed and accepted at each draft position.
 
-``build_speculator(speculative_config, model, engine_config)`` is what
+``build_speculator(speculative_config, engine)`` is what
 ``minillm.LLM(..., speculative_config={...})`` uses.
 """
 from __future__ import annotations
@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import SamplingParams
+from ..engine.engine import LLMEngine
 from ..engine.sampler import SamplingBatch, filtered_probs
 from ..engine.sequence import Draft, Sequence
 from ..engine.speculation import SpecInput
-from ..model.transformer import Transformer
 from .config import SpeculativeConfig
 from .proposers import DraftModelProposer, FeatureProposer, MedusaProposer, NgramProposer
 from .verify import greedy_tree_accept, rejection_accept, tree_accept
@@ -76,7 +76,7 @@ class Speculator:
         """Greedy match at temperature 0; otherwise lossless rejection sampling (a sampled
         chain with its q) or the tree rule with deterministic candidates."""
         start = time.perf_counter()
-        tokens = [seq.token_ids[seq.num_tokens - draft_len(draft) - 1]] + draft.tokens
+        tokens = [seq.token_ids[seq.num_tokens - seq.num_draft - 1]] + draft.tokens
         children = draft.children()
         if params.greedy:
             path, nxt = greedy_tree_accept(children, tokens, logits.argmax(-1).tolist())
@@ -101,17 +101,15 @@ class Speculator:
         self.proposer.release(seq_id)
 
 
-def draft_len(draft: Draft) -> int:
-    return len(draft.tokens)
-
-
-def build_speculator(options: dict | SpeculativeConfig, model: Transformer,
-                     num_blocks: int, block_size: int, drafter=None) -> Speculator:
-    """The speculator for ``options`` (a speculative_config dict). Drafters with a cache get
-    ``num_blocks`` blocks of ``block_size``. ``drafter``: (module, head, manifest) to use
-    instead of loading the packaged weights (tests, notebooks)."""
+def build_speculator(options: dict | SpeculativeConfig, engine: LLMEngine,
+                     drafter=None) -> Speculator:
+    """The speculator for ``options`` (a speculative_config dict) on ``engine``'s model; a
+    drafter with a cache gets room to follow every sequence the engine can hold. ``drafter``:
+    (module, head, manifest) to use instead of the packaged weights (tests)."""
     cfg = SpeculativeConfig.from_dict(options)
-    k = cfg.num_speculative_tokens
+    k, model = cfg.num_speculative_tokens, engine.model
+    num_blocks = engine.drafter_blocks(cfg.max_draft_tokens)
+    block_size = engine.blocks.block_size
     if cfg.method == "ngram":
         return Speculator(cfg, NgramProposer(k, cfg.prompt_lookup_max, cfg.prompt_lookup_min))
     module, head, manifest = drafter or load_drafter(cfg.method, model, cfg.drafter)

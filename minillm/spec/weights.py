@@ -70,7 +70,7 @@ def save_drafter(drafter: torch.nn.Module, target: Transformer, cfg: DrafterConf
     """Write the weights (int8 matrices) and the manifest; returns the weights' path."""
     pt, js = weight_files(cfg.method, path)
     pt.parent.mkdir(parents=True, exist_ok=True)
-    state = quantize({k: v for k, v in own_parameters(drafter, target).items()})
+    state = quantize(own_parameters(drafter, target))
     torch.save({"state": state, "draft_ids": draft_ids.int().cpu()}, pt)
     full = {**manifest, "method": cfg.method, "config": cfg.to_dict(),
             "target": target_fingerprint(target), "bytes": pt.stat().st_size,
