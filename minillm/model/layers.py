@@ -64,12 +64,15 @@ class Attention(nn.Module):
         self.keep_probs = False  # set True to record attention maps (slow path)
         self.last_probs: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None):
-        """x [B, T, D], cos/sin [B or 1, 1, T, hd] -> [B, T, D]."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
+                kv: torch.Tensor | None = None):
+        """x [B, T, D], cos/sin [B or 1, 1, T, hd] -> [B, T, D]. ``kv`` [B, T, D]: other rows to
+        take keys and values from (a block drafter's context rows), default x."""
         b, t, _ = x.shape
+        kv = x if kv is None else kv
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(kv).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(kv).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

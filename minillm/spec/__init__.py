@@ -5,13 +5,17 @@ and KV rollback (:mod:`minillm.engine.speculation` is what the engine asks of it
 - :mod:`.verify`: the verification rules (greedy; lossless rejection sampling for a chain and
   for a tree);
 - :mod:`.ngram`: prompt lookup, the zero-training drafter;
-- :mod:`.drafters`: the trained drafters' modules (draft model, EAGLE, MTP, Medusa);
-- :mod:`.trees`: Medusa's static sparse tree and EAGLE-2's dynamic tree;
+- :mod:`.drafters`: the trained drafters' modules (draft model, EAGLE, MTP, Medusa, and the
+  block drafter of DFlash with DSpark's heads);
+- :mod:`.trees`: Medusa's static sparse tree, EAGLE-2's dynamic tree, DDTree's best-first one;
 - :mod:`.proposers`: the drafters at serving time, batched, with their own paged KV;
+- :mod:`.blocks`: block drafting at serving time (dflash, ddtree, dspark; DSpark's shared
+  verification budget and early exit);
 - :mod:`.speculator`: a proposer plus the rules, with acceptance counters;
   ``build_speculator`` is what ``minillm.LLM(speculative_config=...)`` calls;
-- :mod:`.prompts`, :mod:`.distill`, :mod:`.train`, :mod:`.weights`: the self-distillation
-  data, the training script (``make drafters``) and the packaged weights with manifests.
+- :mod:`.prompts`, :mod:`.distill`, :mod:`.train`, :mod:`.block_train`, :mod:`.weights`: the
+  self-distillation data, the training scripts (``make drafters``) and the packaged weights
+  with manifests.
 """
 from .config import METHODS, SpeculativeConfig
 from .ngram import prompt_lookup

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-METHODS = ("draft_model", "ngram", "medusa", "eagle", "mtp")
-MAX_TOKENS = {"draft_model": 12, "ngram": 12, "medusa": 8, "eagle": 8, "mtp": 8}
-TREE_METHODS = ("medusa", "eagle")
+METHODS = ("draft_model", "ngram", "medusa", "eagle", "mtp", "dflash", "ddtree", "dspark")
+BLOCK_METHODS = ("dflash", "ddtree", "dspark")       # one block drafter serves all three
+MAX_TOKENS = {"draft_model": 12, "ngram": 12, "medusa": 8, "eagle": 8, "mtp": 8,
+              "dflash": 7, "ddtree": 7, "dspark": 7}  # the block drafter's block is 8
+TREE_METHODS = ("medusa", "eagle", "ddtree")
 
 
 @dataclass(frozen=True)
@@ -17,8 +19,12 @@ class SpeculativeConfig:
     """method: one of METHODS. num_speculative_tokens: the lookahead k, how many tokens a chain
     drafts per step, or a tree's depth (at most MAX_TOKENS[method]; Medusa: at most its heads).
     prompt_lookup_max / prompt_lookup_min: the n-gram sizes ``ngram`` tries (longest first).
-    tree_nodes: the node budget of a tree (medusa, eagle); tree_topk: children per expanded
-    node (eagle). drafter: a weights file to use instead of the packaged one."""
+    tree_nodes: the node budget of a tree (medusa, eagle, ddtree); tree_topk: children per
+    expanded node (eagle), candidates per depth (ddtree). verify_budget (dspark): draft tokens
+    verified per step across the whole batch (None: max(32, max_num_seqs)); at least the
+    engine's max_num_seqs. confidence_threshold (dspark): a draft stops at the first token
+    whose confidence is below it, in (0, 1). drafter: a weights file to use instead of the
+    packaged one."""
 
     method: str
     num_speculative_tokens: int = 4
@@ -26,6 +32,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     tree_nodes: int = 16
     tree_topk: int = 4
+    verify_budget: int | None = None
+    confidence_threshold: float = 0.1
     drafter: str | None = None
 
     def __post_init__(self) -> None:
@@ -43,6 +51,13 @@ class SpeculativeConfig:
         if self.tree_nodes < 1 or self.tree_topk < 1:
             raise ValueError(f"speculative_config tree_nodes and tree_topk must be >= 1, got "
                              f"{self.tree_nodes}, {self.tree_topk}")
+        if self.verify_budget is not None and (not isinstance(self.verify_budget, int)
+                                               or self.verify_budget < 1):
+            raise ValueError(f"speculative_config verify_budget must be an int >= 1 (draft "
+                             f"tokens per step), got {self.verify_budget!r}")
+        if not 0 < self.confidence_threshold < 1:
+            raise ValueError(f"speculative_config confidence_threshold must be in (0, 1), got "
+                             f"{self.confidence_threshold!r}")
         if self.method == "ngram" and self.drafter is not None:
             raise ValueError("speculative_config drafter: ngram has no weights")
 

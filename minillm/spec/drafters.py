@@ -19,6 +19,11 @@ is zero elsewhere is still a valid proposal.
   cross-entropy only, chained for depth.
 - :class:`MedusaHeads` (``medusa``): K residual heads on the target's last hidden state, head i
   proposing the token i + 1 places after the next (Cai et al. 2024); no cache, no recurrence.
+- :class:`BlockDrafter` (``dflash``, also serving ``ddtree`` and ``dspark``): DFlash's block
+  drafter (Chen et al. 2026): a few decoder layers that fill a whole block [last token, MASK,
+  ..., MASK] in one bidirectional pass, every layer attending to the target's hidden states from
+  several layers (joined by one projection) as extra keys and values; plus DSpark's light heads
+  (2026): a low-rank Markov term on the previous token and a per-token confidence.
 
 Shapes: D = the target's width, Vd = the draft vocabulary, B batch, T positions.
 """
@@ -34,13 +39,15 @@ from ..config import ModelConfig
 from ..model.layers import RMSNorm, rope_cos_sin
 from ..model.transformer import Block, Transformer, _heads_axis
 
-METHODS = ("draft_model", "eagle", "mtp", "medusa")
+METHODS = ("draft_model", "eagle", "mtp", "medusa", "dflash")
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
     """A drafter's shape. ``layers`` decoder blocks of width ``d_model`` (the target's) with
-    the target's heads and ``ffn_dim``; ``num_heads``: Medusa's heads; ``draft_vocab``: Vd."""
+    the target's heads and ``ffn_dim``; ``num_heads``: Medusa's heads; ``draft_vocab``: Vd.
+    A block drafter: ``target_layers`` (the target layers it reads), ``block_size`` (the last
+    token plus block_size - 1 drafted ones), ``markov_rank`` (DSpark's heads; 0: none)."""
 
     method: str
     d_model: int = 576
@@ -53,8 +60,14 @@ class DrafterConfig:
     norm_eps: float = 1e-5
     num_heads: int = 0
     draft_vocab: int = 8192
+    target_layers: tuple[int, ...] = ()
+    block_size: int = 0
+    markov_rank: int = 0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layers", tuple(self.target_layers))
+        if self.method == "dflash" and (not self.target_layers or self.block_size < 2):
+            raise ValueError("a dflash drafter needs target_layers and block_size >= 2")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.method == "medusa" and self.num_heads < 1:
@@ -140,6 +153,87 @@ class MedusaHeads(nn.Module):
         return torch.stack([h + F.silu(head(h)) for head in self.heads])
 
 
+class MaskedAttention:
+    """A stand-in for a KV cache in a dense (training) pass: attention of every row over the
+    rows ``mask`` [B, R, R] allows (True: row i sees row j), keys and values of this pass only."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask[:, None]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_fn=None) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+    def advance(self, t: int) -> None: ...
+
+
+class BlockDrafter(nn.Module):
+    """DFlash's drafter (and DSpark's heads). Its rows are of two kinds:
+
+    - context rows: c_t = RMSNorm(W [h^(l1)_t, ..., h^(lm)_t]), the target's states at
+      committed position t from the layers ``target_layers`` joined and projected; in every
+      layer they only give keys and values (the same c_t each layer, its own K/V weights);
+    - block rows: the embedding of the last committed token, then ``block_size - 1`` copies
+      of a learned MASK vector, at the next positions; they see every context row before
+      them and each other (bidirectional), and the output at MASK row i is the guess of the
+      token at that position (no shift: it denoises its own position).
+
+    forward(x [B, R, D], is_context [B, R] or [R] bool, positions, cache, mask) -> [B, R, D]
+    (normed; context rows' outputs mean nothing). ``cache``: a paged cache at serving time;
+    without one, ``mask`` [B, R, R] says who sees whom (:class:`MaskedAttention`).
+
+    DSpark's heads on a block row's output h_i, given the token before it (t_{i-1}, its
+    index in the draft vocabulary, Vd for one outside it): ``markov(h_i, prev)`` adds
+    (E[prev] * P h_i) @ F^T, a rank-r bilinear term, to the base logits; ``confidence(h_i,
+    prev, logp)`` is a logit of P(the drafted token is accepted | all before it were)."""
+
+    def __init__(self, cfg: DrafterConfig, block_cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg, self.block_cfg = cfg, block_cfg
+        d, r = cfg.d_model, cfg.markov_rank
+        self.fc = nn.Linear(len(cfg.target_layers) * d, d, bias=False)
+        self.context_norm = RMSNorm(d, cfg.norm_eps)
+        self.mask_embedding = nn.Parameter(torch.randn(d) * 0.02)
+        self.layers = nn.ModuleList(Block(block_cfg, i) for i in range(cfg.layers))
+        self.norm = RMSNorm(d, cfg.norm_eps)
+        if r:
+            self.prev_codes = nn.Embedding(cfg.draft_vocab + 1, r)
+            self.next_codes = nn.Parameter(torch.zeros(cfg.draft_vocab, r))
+            self.mix = nn.Linear(d, r, bias=False)
+            self.confidence_proj = nn.Linear(d + r + 1, 1)
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., m * D] joined target states -> context vectors [..., D]."""
+        return self.context_norm(self.fc(features))
+
+    def forward(self, x: torch.Tensor, is_context: torch.Tensor, positions: torch.Tensor,
+                cache=None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        cos, sin = rope_cos_sin(positions, self.block_cfg.head_dim, self.block_cfg.rope_theta,
+                                x.dtype)
+        cos, sin = _heads_axis(cos), _heads_axis(sin)
+        cache = cache if cache is not None else MaskedAttention(mask)
+        ctx = is_context[..., None]
+        c = x
+        for layer in self.layers:
+            a = layer.attn_norm(x)
+            x = x + layer.attn(a, cos, sin, cache, kv=torch.where(ctx, c, a))
+            x = torch.where(ctx, c, x + layer.ffn(layer.ffn_norm(x)))
+        return self.norm(x)
+
+    def markov(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """h [..., D], prev [...] draft-vocabulary indices -> logit offsets [..., Vd]."""
+        return (self.prev_codes(prev) * self.mix(h)) @ self.next_codes.T
+
+    def confidence(self, h: torch.Tensor, prev: torch.Tensor, logp: torch.Tensor
+                   ) -> torch.Tensor:
+        """h [..., D], prev [...], logp [...] (the drafted token's log-probability) -> [...]
+        logits of acceptance."""
+        x = torch.cat([h, self.prev_codes(prev), logp[..., None].to(h.dtype)], -1)
+        return self.confidence_proj(x)[..., 0]
+
+
 def build_drafter(cfg: DrafterConfig, target: Transformer) -> nn.Module:
     """The module for ``cfg`` (random weights), sharing ``target``'s embedding where it needs
     one. A ``draft_model`` is a :class:`~minillm.model.Transformer` whose embedding is the
@@ -152,6 +246,8 @@ def build_drafter(cfg: DrafterConfig, target: Transformer) -> nn.Module:
         return lm
     if cfg.method == "medusa":
         return MedusaHeads(cfg)
+    if cfg.method == "dflash":
+        return BlockDrafter(cfg, block_cfg)
     return FeatureDrafter(cfg, block_cfg, input_norms=cfg.method == "mtp")
 
 

@@ -16,7 +16,8 @@ from ..engine.engine import LLMEngine
 from ..engine.sampler import SamplingBatch, filtered_probs
 from ..engine.sequence import Draft, Sequence
 from ..engine.speculation import SpecInput
-from .config import SpeculativeConfig
+from .blocks import BlockProposer
+from .config import BLOCK_METHODS, SpeculativeConfig
 from .proposers import DraftModelProposer, FeatureProposer, MedusaProposer, NgramProposer
 from .verify import greedy_tree_accept, rejection_accept, tree_accept
 from .weights import load_drafter
@@ -91,6 +92,9 @@ class Speculator:
             else:
                 path, nxt = tree_accept(children, tokens, None, p, generator)
         self.stats.add(max(draft.depths()), len(path), len(draft.tokens))
+        observe = getattr(self.proposer, "observe", None)
+        if observe is not None:
+            observe(seq.seq_id, len(path))
         self.stats.verify_seconds += time.perf_counter() - start
         return path, nxt
 
@@ -112,6 +116,8 @@ def build_speculator(options: dict | SpeculativeConfig, engine: LLMEngine,
     block_size = engine.blocks.block_size
     if cfg.method == "ngram":
         return Speculator(cfg, NgramProposer(k, cfg.prompt_lookup_max, cfg.prompt_lookup_min))
+    if cfg.method in BLOCK_METHODS:
+        return Speculator(cfg, block_proposer(cfg, engine, drafter))
     module, head, manifest = drafter or load_drafter(cfg.method, model, cfg.drafter)
     if cfg.method == "medusa":
         heads = len(module.heads)
@@ -125,3 +131,22 @@ def build_speculator(options: dict | SpeculativeConfig, engine: LLMEngine,
     return Speculator(cfg, FeatureProposer(module, head, model.embed, k, num_blocks, block_size,
                                            tree=cfg.method == "eagle", topk=cfg.tree_topk,
                                            budget=cfg.tree_nodes))
+
+
+def block_proposer(cfg: SpeculativeConfig, engine: LLMEngine, drafter=None) -> BlockProposer:
+    """DFlash / DDTree / DSpark on the packaged block drafter; DSpark's budget is checked
+    against the engine's batch size (a budget below it could leave a sequence without a
+    draft every step)."""
+    seqs = engine.config.max_num_seqs
+    budget = cfg.verify_budget if cfg.verify_budget is not None else max(32, seqs)
+    if cfg.method == "dspark" and budget < seqs:
+        raise ValueError(f"speculative_config verify_budget ({budget}) must be at least the "
+                         f"engine's max_num_seqs ({seqs})")
+    module, head, _ = drafter or load_drafter("dflash", engine.model, cfg.drafter)
+    if cfg.method == "dspark" and not module.cfg.markov_rank:
+        raise ValueError("speculative_config method dspark needs a drafter with DSpark's heads "
+                         "(markov_rank > 0)")
+    blocks = engine.drafter_blocks(max(cfg.max_draft_tokens, module.cfg.block_size))
+    return BlockProposer(module, head, engine.model.embed, cfg.method,
+                         cfg.num_speculative_tokens, blocks, engine.blocks.block_size,
+                         cfg.tree_nodes, cfg.tree_topk, budget, cfg.confidence_threshold)

@@ -54,10 +54,12 @@ from . import distill, weights
 from .drafters import DrafterConfig, DraftHead, build_drafter, own_parameters
 
 CONFIGS = {"eagle": dict(layers=1, ffn_dim=1536), "mtp": dict(layers=1, ffn_dim=1536),
-           "medusa": dict(num_heads=5), "draft_model": dict(layers=2, ffn_dim=1536)}
+           "medusa": dict(num_heads=5), "draft_model": dict(layers=2, ffn_dim=1536),
+           "dflash": dict(layers=2, ffn_dim=1024, target_layers=(1, 10, 19, 28), block_size=8,
+                          markov_rank=32)}
 # ~10 minutes each on 2 CPU cores: 1 thread measured 1.87 (eagle), 1.95 (mtp), 1.48 (medusa)
 # and 1.36 (draft_model) s/step; 2 threads are about 1.6-1.9x faster
-DEFAULT_STEPS = {"eagle": 500, "mtp": 480, "medusa": 400, "draft_model": 450}
+DEFAULT_STEPS = {"eagle": 500, "mtp": 480, "medusa": 400, "draft_model": 450, "dflash": 500}
 DRAFT_VOCAB = 8192
 WINDOW, BATCH = 256, 16
 LR, WARMUP, CLIP, WEIGHT_DECAY = 1e-3, 50, 1.0, 0.0
@@ -119,11 +121,13 @@ class Batch:
     positions: torch.Tensor
     lengths: torch.Tensor
     prompt_lens: torch.Tensor
+    target_next: torch.Tensor | None = None     # [B, T] the target's greedy token after t
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
+        nxt = None if self.target_next is None else self.target_next.to(device)
         return Batch(self.tokens.to(device), self.features.to(device, dtype),
                      self.positions.to(device), self.lengths.to(device),
-                     self.prompt_lens.to(device))
+                     self.prompt_lens.to(device), nxt)
 
 
 def make_batch(data: dict, spans: list[tuple[int, int]], width: int) -> Batch:
@@ -134,12 +138,15 @@ def make_batch(data: dict, spans: list[tuple[int, int]], width: int) -> Batch:
     t = max(lens)
     tokens = torch.zeros(len(spans), t, dtype=torch.long)
     features = torch.zeros(len(spans), t, feats.shape[1], dtype=feats.dtype)
+    nxt = torch.zeros(len(spans), t, dtype=torch.long) if "target_next" in data else None
     for row, (e, n) in enumerate(zip(ends, lens)):
         tokens[row, :n] = data["tokens"][e - n:e].long()
         features[row, :n] = feats[e - n:e]
+        if nxt is not None:
+            nxt[row, :n] = data["target_next"][e - n:e]
     starts = torch.tensor([a for _, a in spans])
     return Batch(tokens, features, starts[:, None] + torch.arange(t), torch.tensor(lens),
-                 data["prompt_lens"][[s for s, _ in spans]].long())
+                 data["prompt_lens"][[s for s, _ in spans]].long(), nxt)
 
 
 def window_start(length: int, prompt_len: int, width: int, gen: torch.Generator) -> int:
@@ -298,9 +305,9 @@ def make_optimizer(drafter: nn.Module, target: Transformer) -> torch.optim.Optim
 
 
 def train_step(method: str, drafter, head, target, batch: Batch, lookup: torch.Tensor,
-               opt: torch.optim.Optimizer) -> float:
+               opt: torch.optim.Optimizer, loss_fn=None) -> float:
     """One optimizer step on ``batch``; returns the loss."""
-    loss = LOSSES[method](drafter, head, target, batch, lookup)
+    loss = (loss_fn or LOSSES[method])(drafter, head, target, batch, lookup)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], CLIP)
@@ -352,8 +359,9 @@ class Trained:
 
 def train(method: str, target: Transformer, data: dict, steps: int, *, fresh: bool = False,
           ckpt: Path | None = None, draft_vocab: int | None = None, batch: int = BATCH,
-          width: int = WINDOW, seed: int = 0, progress: bool = True) -> Trained:
-    """Train (or resume training) ``method``'s drafter for ``steps`` steps in all."""
+          width: int = WINDOW, seed: int = 0, progress: bool = True, loss_fn=None) -> Trained:
+    """Train (or resume training) ``method``'s drafter for ``steps`` steps in all
+    (``loss_fn``: instead of LOSSES[method])."""
     ckpt, draft_vocab = ckpt or checkpoint_path(method), draft_vocab or DRAFT_VOCAB
     cfg = drafter_config(method, target, draft_vocab)
     torch.manual_seed(seed)
@@ -367,12 +375,12 @@ def train(method: str, target: Transformer, data: dict, steps: int, *, fresh: bo
     head = DraftHead(target.lm_head.weight, st.draft_ids.to(target.device))
     lookup = vocab_lookup(st.draft_ids, target.cfg.vocab_size).to(target.device)
     train_loop(method, drafter, head, target, data, opt, st, steps, ckpt, lookup,
-               batch, width, progress)
+               batch, width, progress, loss_fn)
     return Trained(drafter.eval(), head, cfg, st, lookup)
 
 
 def train_loop(method, drafter, head, target, data, opt, st: State, steps: int, ckpt: Path,
-               lookup, batch: int, width: int, progress: bool) -> None:
+               lookup, batch: int, width: int, progress: bool, loss_fn=None) -> None:
     """Steps st.step .. steps - 1, a checkpoint every CKPT_EVERY steps and at the end."""
     seqs, _ = split(data)
     bar = tqdm(total=steps, initial=st.step, desc=method, disable=not progress)
@@ -381,7 +389,7 @@ def train_loop(method, drafter, head, target, data, opt, st: State, steps: int, 
         for g in opt.param_groups:
             g["lr"] = lr_at(st.step, steps)
         b = sample_batch(data, seqs, st.gen, batch, width).to(target.device, target.dtype)
-        st.losses.append(train_step(method, drafter, head, target, b, lookup, opt))
+        st.losses.append(train_step(method, drafter, head, target, b, lookup, opt, loss_fn))
         st.step += 1
         st.seconds += time.perf_counter() - t0
         bar.update(1)
@@ -440,7 +448,7 @@ def run(method: str, target: Transformer, data: dict, steps: int | None = None,
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m minillm.spec.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("method", nargs="?", default="all", choices=[*LOSSES, "all"])
+    p.add_argument("method", nargs="?", default="all", choices=[*LOSSES, "dflash", "all"])
     p.add_argument("--steps", type=int, default=None, help="steps per drafter")
     p.add_argument("--fresh", action="store_true", help="ignore a saved checkpoint")
     p.add_argument("--data-only", action="store_true", help="only make the distillation data")
@@ -453,8 +461,12 @@ def main(argv: list[str] | None = None) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, _ = load_model("smollm2-135m", device=device, dtype=torch.float32)
     data = load_data()
-    for method in LOSSES if args.method == "all" else [args.method]:
-        run(method, target, data, args.steps, args.fresh)
+    for method in [*LOSSES, "dflash"] if args.method == "all" else [args.method]:
+        if method == "dflash":
+            from .block_train import run_block
+            run_block(target, data, args.steps, args.fresh)
+        else:
+            run(method, target, data, args.steps, args.fresh)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Draft trees: Medusa's static sparse tree and EAGLE-2's dynamic one.
+"""Draft trees: Medusa's static sparse tree, EAGLE-2's dynamic one, DDTree's best-first one.
 
 A tree is verified in one target pass (the tree-attention mask lets every node see only its
 ancestors), and the longest path the target agrees with is kept, so a tree of N nodes can beat
@@ -12,6 +12,10 @@ a chain of N when the drafter is unsure which token comes next.
 - :func:`top_nodes`: EAGLE-2 (Li et al. 2024) grows the tree per request: expand the top-k
   nodes of each level by *joint confidence* (the product of the drafter's probabilities along
   the path), then rerank every node grown and keep the ``budget`` best, parents first.
+- :func:`best_first_tree`: DDTree (2026) builds the tree from a block drafter's per-position
+  distributions (one forward gives them all, each independent of the tokens before it): a node
+  is a prefix of ranks, its score the sum of its tokens' log-probabilities, and the node with
+  the highest path probability on the frontier is expanded next, until ``budget`` nodes.
 """
 from __future__ import annotations
 
@@ -60,3 +64,29 @@ def top_nodes(scores: list[float], parents: list[int], budget: int) -> list[int]
         if len(keep) + len(chain) <= budget:
             keep.update(chain)
     return sorted(keep)
+
+
+def best_first_tree(logps: list[list[float]], budget: int
+                    ) -> tuple[list[int], list[tuple[int, int]]]:
+    """logps[d]: depth d's candidate log-probabilities, best first (K per depth). Returns
+    (parents: 0 = root, node i + 1's parent; picks: (depth, rank) of each node), the
+    ``budget`` prefixes of highest path log-probability in the order they were popped (a
+    parent before its children). The frontier holds each popped node's first child and next
+    sibling, so every candidate is scored once: O(budget log budget)."""
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    parents: list[int] = []
+    picks: list[tuple[int, int]] = []
+    if not logps or not logps[0]:
+        return parents, picks
+    frontier = [(-logps[0][0], 0, 0, 0)]          # (-score, parent node, depth, rank)
+    while frontier and len(parents) < budget:
+        neg, parent, d, r = heapq.heappop(frontier)
+        parents.append(parent)
+        picks.append((d, r))
+        node = len(parents)
+        if r + 1 < len(logps[d]):
+            heapq.heappush(frontier, (neg + logps[d][r] - logps[d][r + 1], parent, d, r + 1))
+        if d + 1 < len(logps) and logps[d + 1]:
+            heapq.heappush(frontier, (neg - logps[d + 1][0], node, d + 1, 0))
+    return parents, picks

@@ -1,0 +1,107 @@
+"""Training the block drafter (minillm.spec.block_train) on the tiny random target: the block
+denoising loss falls when overfitting one batch, DSpark's stage moves only its heads, the
+anchors sit in replies, and a run writes a drafter that loads and serves."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_spec_train import synthetic_data
+
+from minillm import load_model
+from minillm.spec import block_train as BT
+from minillm.spec import train as T
+from minillm.spec import weights
+
+CONFIG = dict(layers=1, ffn_dim=64, target_layers=(0, 1), block_size=4, markov_rank=8)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model("tiny", random_weights=True, dtype=torch.float32, device="cpu")[0]
+
+
+@pytest.fixture(scope="module")
+def raw(target):
+    return synthetic_data(target)
+
+
+@pytest.fixture(scope="module")
+def data(target, raw, tmp_path_factory):
+    return {**raw, **BT.block_features(raw, target, (0, 1), out=tmp_path_factory.mktemp("f"))}
+
+
+@pytest.fixture()
+def small(monkeypatch):
+    monkeypatch.setitem(T.CONFIGS, "dflash", CONFIG)
+
+
+def batch_of(data, target, seed=0):
+    b = T.sample_batch(data, T.split(data)[0], torch.Generator().manual_seed(seed), 4, 24)
+    return b.to(target.device, target.dtype)
+
+
+def setup(target, data):
+    torch.manual_seed(0)
+    cfg = T.drafter_config("dflash", target, draft_vocab=64)
+    drafter = T.build_drafter(cfg, target).train()
+    ids = T.draft_vocabulary(data, 64)
+    return drafter, T.DraftHead(target.lm_head.weight, ids), T.vocab_lookup(ids, 49152)
+
+
+def test_features_are_the_layers_and_the_greedy_token(target, data):
+    s = slice(int(data["offsets"][3]), int(data["offsets"][4]))
+    ids = data["tokens"][s].long()[None]
+    with torch.no_grad():
+        h, kept = target.forward_layers(ids, keep=(0, 1))
+    want = torch.cat([kept[0], kept[1]], -1)[0].to(torch.bfloat16)
+    torch.testing.assert_close(data["features"][s], want, atol=2e-2, rtol=2e-2)
+    assert torch.equal(data["target_next"][s], target.lm_head(h).argmax(-1)[0])
+
+
+def test_anchors_sit_in_replies(target, data, small):
+    b = batch_of(data, target)
+    anchors, keep = BT.sample_anchors(b, 5, 4, torch.Generator().manual_seed(1))
+    pos = torch.gather(b.positions, 1, anchors)
+    assert keep.any()
+    assert (pos[keep] + 1 >= b.prompt_lens[:, None].expand_as(pos)[keep]).all()
+    assert (anchors[keep] + 1 < b.lengths[:, None].expand_as(anchors)[keep]).all()
+
+
+def test_block_loss_falls_when_overfitting(target, data, small):
+    drafter, head, lookup = setup(target, data)
+    b = batch_of(data, target)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(30):
+        loss = BT.dflash_loss(drafter, head, target, b, lookup, torch.Generator().manual_seed(0))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert not any(p.grad is not None for p in target.parameters())
+
+
+def test_dspark_stage_trains_only_its_heads(target, data, small, tmp_path):
+    drafter, head, lookup = setup(target, data)
+    st = T.State(0, [], 0.0, head.ids, torch.Generator().manual_seed(0))
+    trained = T.Trained(drafter, head, drafter.cfg, st, lookup)
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    BT.train_dspark_heads(trained, target, data, 4, tmp_path / "d.ckpt", progress=False)
+    changed = {k for k, v in drafter.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and changed <= {"prev_codes.weight", "next_codes", "mix.weight",
+                                   "confidence_proj.weight", "confidence_proj.bias"}
+
+
+def test_run_writes_a_loadable_block_drafter(target, raw, small, tmp_path, monkeypatch):
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(T, "checkpoint_path", lambda m: tmp_path / f"{m}.ckpt")
+    monkeypatch.setattr(BT, "checkpoint_path", lambda m: tmp_path / f"{m}.ckpt")
+    pt = BT.run_block(target, raw, steps=3, out=tmp_path / "dflash.pt", dspark_steps=2,
+                      progress=False, draft_vocab=64, batch=4, width=24)
+    drafter, head, man = weights.load_drafter("dflash", target, pt)
+    assert man["steps"] == 3 and man["dspark_steps"] == 2
+    held = man["heldout"]
+    assert len(held["dflash"]["acceptance"]) == 3 and held["dflash"]["tau"] >= 1
+    assert 0 <= held["calibration"]["ece"] <= 1
+    assert drafter.cfg.markov_rank == 8 and len(head.ids) == 64
