@@ -105,3 +105,12 @@ def test_run_writes_a_loadable_block_drafter(target, raw, small, tmp_path, monke
     assert len(held["dflash"]["acceptance"]) == 3 and held["dflash"]["tau"] >= 1
     assert 0 <= held["calibration"]["ece"] <= 1
     assert drafter.cfg.markov_rank == 8 and len(head.ids) == 64
+
+
+def test_layer_minus_one_is_the_final_normed_state(target, raw, tmp_path):
+    feats = BT.block_features(raw, target, (0, -1), out=tmp_path)["features"]
+    s = slice(int(raw["offsets"][1]), int(raw["offsets"][2]))
+    with torch.no_grad():
+        h = target.hidden_states(raw["tokens"][s].long()[None])[0]
+    torch.testing.assert_close(feats[s, target.cfg.d_model:], h.to(torch.bfloat16),
+                               atol=2e-2, rtol=2e-2)

@@ -53,7 +53,7 @@ from .train import (
 )
 
 ANCHORS = 12
-GAMMA = 4.0
+GAMMA = 3.0
 MARKOV_RANK = 32
 DSPARK_STEPS = 150
 DSPARK_LR = 3e-3
@@ -65,7 +65,7 @@ DSPARK_LR = 3e-3
 def block_features(data: dict, model, layers: tuple[int, ...], batch: int = 16,
                    out: Path | None = None) -> dict:
     """{"features": [N, m * D] bf16, "target_next": [N] int64} for ``data``'s sequences: the
-    residual stream after each of ``layers`` and the target's argmax after each position,
+    residual stream after each of ``layers`` (-1: the final normed state) and the target's argmax after each position,
     from right-padded batches (made once, cached in the distillation folder)."""
     check = int(data["tokens"].long().sum()) % 1_000_003
     name = "block-" + "-".join(map(str, layers)) + f"-{len(data['tokens'])}-{check}.pt"
@@ -84,7 +84,8 @@ def block_features(data: dict, model, layers: tuple[int, ...], batch: int = 16,
         ids = torch.zeros(len(idx), width, dtype=torch.long)
         for row, s in enumerate(idx):
             ids[row, :offsets[s + 1] - offsets[s]] = data["tokens"][offsets[s]:offsets[s + 1]]
-        h, kept = model.forward_layers(ids.to(model.device), keep=layers)
+        h, kept = model.forward_layers(ids.to(model.device), keep=[i for i in layers if i >= 0])
+        kept[-1] = h                                  # -1: the final normed state
         joined = torch.cat([kept[layer] for layer in layers], -1)
         greedy = model.lm_head(h).argmax(-1)
         for row, s in enumerate(idx):

@@ -55,11 +55,11 @@ from .drafters import DrafterConfig, DraftHead, build_drafter, own_parameters
 
 CONFIGS = {"eagle": dict(layers=1, ffn_dim=1536), "mtp": dict(layers=1, ffn_dim=1536),
            "medusa": dict(num_heads=5), "draft_model": dict(layers=2, ffn_dim=1536),
-           "dflash": dict(layers=2, ffn_dim=1024, target_layers=(1, 10, 19, 28), block_size=8,
+           "dflash": dict(layers=2, ffn_dim=1024, target_layers=(1, 10, 19, -1), block_size=8,
                           markov_rank=32)}
 # ~10 minutes each on 2 CPU cores: 1 thread measured 1.87 (eagle), 1.95 (mtp), 1.48 (medusa)
 # and 1.36 (draft_model) s/step; 2 threads are about 1.6-1.9x faster
-DEFAULT_STEPS = {"eagle": 500, "mtp": 480, "medusa": 400, "draft_model": 450, "dflash": 500}
+DEFAULT_STEPS = {"eagle": 500, "mtp": 480, "medusa": 400, "draft_model": 450, "dflash": 1000}
 DRAFT_VOCAB = 8192
 WINDOW, BATCH = 256, 16
 LR, WARMUP, CLIP, WEIGHT_DECAY = 1e-3, 50, 1.0, 0.0
