@@ -23,8 +23,11 @@ timeout 150 python3 benchmarks/a2_gpu_check.py --out "$res/a2_gpu.json" || statu
 # 4. the engine: every path (chunked prefill, swap, n > 1, beams) with the Triton and sdpa
 #    backends == each request alone, at SmolLM2 and Llama-3.2-1B shapes; throughput vs HF
 timeout 200 python3 benchmarks/gpu_engine_check.py --out "$res/engine_gpu.json" || status=1
-# 5. speculative decoding: every method == the plain engine (Triton backend), forward cost vs
-#    tokens, n-gram speedup at batch 1 (random weights: acceptance needs the real model)
-timeout 90 python3 benchmarks/gpu_spec_check.py --out "$res/spec_gpu.json" || status=1
+# 5. speculative decoding: every method (part I and the block drafters) == the plain engine
+#    (Triton backend), forward cost vs tokens, n-gram speedup at batch 1, speedup vs batch size
+#    1..64 at SmolLM2 and Llama-3.2-1B shapes (random weights: acceptance needs the real
+#    model; the sweep starts no run after 120 s)
+timeout 150 python3 benchmarks/gpu_spec_check.py --out "$res/spec_gpu.json" --budget-s 120 \
+    || status=1
 if [ -n "${OUT:-}" ]; then cp "$res"/*.json "$OUT"/ 2>/dev/null || true; fi
 exit $status

@@ -280,29 +280,62 @@ def cmd_bench_quant(args: argparse.Namespace) -> int:
 
 
 def add_bench_spec(sub) -> None:
-    from .bench.spec import DEFAULT_K, METHODS
+    from .bench.spec import ALL_METHODS, DEFAULT_K, METHODS
+    from .bench.spec_load import BUDGETS, MAX_NEW_TOKENS, NUM_REQUESTS, RATES
 
     p = bench_parser(sub, "spec", "speculative decoding: acceptance and speedup of every drafter")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), help="(default: %(default)s)")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help=f"(default: {' '.join(ALL_METHODS)}; with --part1: {' '.join(METHODS)})")
+    p.add_argument("--part1", action="store_true",
+                   help="chapter 06's run: part I's methods only (no block drafter weights "
+                        "needed) and no load sweeps")
     p.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 6, 8],
                    help=f"lookaheads of the k sweep (default: %(default)s; per-kind runs use "
                         f"{DEFAULT_K})")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64],
                    help="batch sizes (default: %(default)s)")
-    p.add_argument("--prompts-per-kind", type=int, default=4, help="(default: %(default)s)")
+    p.add_argument("--prompts-per-kind", type=int, default=3, help="(default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="(default: %(default)s)")
     p.add_argument("--dtype", default=None, help="default: what minillm.LLM picks")
+    load = p.add_argument_group("speculation under load (figure: the --figure path + _load)")
+    load.add_argument("--load", action=argparse.BooleanOptionalAction, default=True,
+                      help="equal-budget and request-rate sweeps (default: on, off with --part1)")
+    load.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS),
+                      help="draft tokens verified per sequence per round (default: %(default)s)")
+    load.add_argument("--rates", nargs="+", type=float, default=list(RATES),
+                      help="Poisson request rates, requests/s (default: %(default)s)")
+    load.add_argument("--load-requests", type=int, default=NUM_REQUESTS,
+                      help="requests of each load run (default: %(default)s)")
+    load.add_argument("--load-tokens", type=int, default=MAX_NEW_TOKENS,
+                      help="output tokens per request in the load runs (default: %(default)s)")
     p.set_defaults(func=cmd_bench_spec)
 
 
 def cmd_bench_spec(args: argparse.Namespace) -> int:
-    from .bench.spec import run_spec_bench, spec_table
-    from .viz.bench import plot_spec
+    from pathlib import Path
 
-    report = run_spec_bench(args.model, args.methods, args.ks, args.batches,
+    import matplotlib.pyplot as plt
+
+    from .bench.spec import ALL_METHODS, METHODS, run_spec_bench, spec_table
+    from .bench.spec_load import spec_load_tables
+    from .viz import save
+    from .viz.bench import plot_spec, plot_spec_load
+
+    methods = args.methods or list(METHODS if args.part1 else ALL_METHODS)
+    load = args.load and not args.part1
+    report = run_spec_bench(args.model, methods, args.ks, args.batches,
                             args.prompts_per_kind, args.max_tokens, args.device, args.dtype,
-                            args.threads, log=log_to_stderr)
-    return write_report(args, report, spec_table(report), plot_spec)
+                            args.threads, log=log_to_stderr,
+                            load=load and {"budgets": args.budgets, "rates": args.rates,
+                                           "num_requests": args.load_requests,
+                                           "max_tokens": args.load_tokens})
+    write_report(args, report, f"{spec_table(report)}\n\n{spec_load_tables(report)}", plot_spec)
+    if load and args.figure != "none":
+        path = Path(args.figure)
+        fig = plot_spec_load(report)
+        print(f"wrote {save(fig, path.with_name(f'{path.stem}_load{path.suffix}'), dpi=110)}")
+        plt.close(fig)
+    return 0
 
 
 #: ``bench`` subcommands.

@@ -95,7 +95,8 @@ def reference(model):
 @pytest.mark.parametrize("method", ["dflash", "ddtree", "dspark"])
 def test_greedy_equals_the_target(model, reference, method):
     prompts, expect = reference
-    engine = block_engine(model, method, confidence_threshold=0.01)
+    extra = {"confidence_threshold": 0.01} if method == "dspark" else {}
+    engine = block_engine(model, method, **extra)
     assert tokens(run_all(engine, prompts, GREEDY)) == expect
     assert_drafter_free(engine)
     assert engine.speculator.stats.rounds > 0
@@ -182,6 +183,9 @@ def test_markov_decode_feeds_the_drafted_token_forward(model):
     ({"confidence_threshold": 1.0}, "confidence_threshold"),
     ({"confidence_threshold": 0.0}, "confidence_threshold"),
     ({"num_speculative_tokens": 8}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 4}, "num_speculative_tokens"),      # the test drafter's block: 4
+    ({"method": "dflash", "verify_budget": 16}, "verify_budget"),
+    ({"method": "ddtree", "confidence_threshold": 0.2}, "confidence_threshold"),
 ])
 def test_bad_options_name_themselves(model, options, name):
     engine = engine_for(model, None)

@@ -9,12 +9,18 @@ a given passage, code edits) and ``free`` writing. Per method:
   engine, acceptance by draft position, mean tokens per verification round;
 - the speedup against the lookahead k (batch 1, all kinds);
 - the speedup at batch 4, 16, 64 (all requests at once);
+- the drafter's cost per round at batch 1 next to the plain engine's time per token;
 - the speedup Leviathan et al. (2023) predict from the measured acceptance and cost:
   (1 - a^(k+1)) / ((1 - a)(k c + 1)), with a solved from the mean tokens per round and k c the
   drafter's seconds per round over the plain engine's seconds per token. (For a tree, k is its
   depth: the formula's chain of i.i.d. acceptances is then only an approximation, and it
   assumes a verification pass costs one plain decode step, which ``nodes_per_round`` shows it
   does not for wide trees.)
+
+Part I's methods are :data:`METHODS` (chapter 06); the block drafters of part II
+(:data:`BLOCK_METHODS`, chapter 06b) join them in :data:`ALL_METHODS`. Speculation under load
+(acceptance at equal verification budgets, speedup against a Poisson request rate) is
+:mod:`.spec_load`, run when ``load=True``.
 """
 from __future__ import annotations
 
@@ -28,13 +34,16 @@ from ..checkpoint.loader import load_model
 from ..config import SamplingParams
 from ..device import resolve_device, serving_dtype
 from ..engine import EngineConfig, LLMEngine
-from ..spec.config import MAX_TOKENS
+from ..spec.config import BLOCK_METHODS, MAX_TOKENS
 from ..spec.prompts import KINDS, benchmark_prompts
 from ..spec.speculator import SpecStats, build_speculator
 from .common import dtype_name, format_table, machine_info
 
-METHODS = ("ngram", "draft_model", "medusa", "eagle", "mtp")
-DEFAULT_K = {"ngram": 6, "draft_model": 4, "medusa": 4, "eagle": 5, "mtp": 3}
+METHODS = ("ngram", "draft_model", "medusa", "eagle", "mtp")      # part I (chapter 06)
+ALL_METHODS = METHODS + BLOCK_METHODS                               # + dflash, ddtree, dspark
+DEFAULT_K = {"ngram": 6, "draft_model": 4, "medusa": 4, "eagle": 5, "mtp": 3,
+             "dflash": 7, "ddtree": 7, "dspark": 7}
+TREE_NODES = 16                  # the trees' node budget (medusa, eagle, ddtree) unless told
 
 
 @dataclass
@@ -65,15 +74,27 @@ def chat_prompts(tok, kind: str, n: int) -> list[list[int]]:
             for m in benchmark_prompts(kind, n)]
 
 
-def make_engine(model, tok, method: str | None, k: int, max_seqs: int) -> LLMEngine:
-    nodes = 16
-    budget = max(4096, max_seqs * (1 + max(nodes, k)))
+def make_engine(model, tok, method: str | None, k: int, max_seqs: int, *,
+                extra: dict | None = None, drafter=None) -> LLMEngine:
+    """The engine of every measurement: ``max_seqs`` sequences at once, speculating with
+    ``method`` (None: plain) at lookahead ``k``. ``extra``: more speculative_config keys
+    (tree_nodes, default :data:`TREE_NODES`; verify_budget, ...); ``drafter``: (module, head,
+    manifest) instead of the packaged weights (random-weight models in tests)."""
+    options = {"method": method, "num_speculative_tokens": k, "tree_nodes": TREE_NODES,
+               **(extra or {})}
+    budget = max(4096, max_seqs * (1 + max(options["tree_nodes"], k)))
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=max_seqs, num_kv_blocks=64 * 40,
                                                 max_num_batched_tokens=budget))
     if method is not None:
-        engine.use_speculator(build_speculator(
-            {"method": method, "num_speculative_tokens": k, "tree_nodes": nodes}, engine))
+        engine.use_speculator(build_speculator(options, engine, drafter=drafter))
     return engine
+
+
+def warm_up(engine: LLMEngine, prompt: list[int]) -> None:
+    """One short request (first-call costs out of the way), then fresh speculation counters."""
+    drive(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=8), 1)
+    if engine.speculator is not None:
+        engine.speculator.stats = SpecStats()     # count the measured requests only
 
 
 def drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
@@ -91,12 +112,13 @@ def drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
 
 
 def measure(model, tok, method: str | None, k: int, kind: str, prompts: list[list[int]],
-            batch: int, params: SamplingParams) -> Run:
-    engine = make_engine(model, tok, method, k, max(batch, 1))
-    drive(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), 1)   # warm-up
+            batch: int, params: SamplingParams, *, extra: dict | None = None,
+            drafter=None) -> Run:
+    """``prompts`` ``batch`` at a time on a fresh, warmed-up engine (see :func:`make_engine`
+    for ``extra`` and ``drafter``)."""
+    engine = make_engine(model, tok, method, k, max(batch, 1), extra=extra, drafter=drafter)
+    warm_up(engine, prompts[0])
     spec = engine.speculator
-    if spec is not None:
-        spec.stats = SpecStats()                 # count the measured requests only
     seconds, tokens = drive(engine, prompts, params, batch)
     s = spec.stats if spec is not None else None
     return Run(method or "none", k, kind, batch, seconds, tokens,
@@ -126,10 +148,13 @@ def expected_speedup(run: Run, base_seconds_per_token: float) -> float:
     return (1 - a ** (run.k + 1)) / ((1 - a) * (kc + 1))
 
 
-def run_spec_bench(model: str = "smollm2-135m", methods=METHODS, ks=(1, 2, 4, 6, 8),
-                   batches=(1, 4, 16, 64), prompts_per_kind: int = 4, max_tokens: int = 64,
-                   device=None, dtype=None, threads: int | None = None, log=print) -> dict:
-    """Every measurement of the module docstring; returns the report (JSON-ready)."""
+def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4, 6, 8),
+                   batches=(1, 4, 16, 64), prompts_per_kind: int = 3, max_tokens: int = 64,
+                   device=None, dtype=None, threads: int | None = None, log=print,
+                   load: bool | dict = False) -> dict:
+    """Every measurement of the module docstring; returns the report (JSON-ready). ``load``:
+    also speculation under load (:func:`.spec_load.run_load_sweeps`), True with its defaults
+    or a dict of its keyword arguments (budgets, rates, num_requests, max_tokens, seed)."""
     if threads:
         torch.set_num_threads(threads)
     dev = resolve_device(device)
@@ -160,10 +185,18 @@ def run_spec_bench(model: str = "smollm2-135m", methods=METHODS, ks=(1, 2, 4, 6,
         for b in batches:
             if b > 1:
                 go(m, DEFAULT_K[m], "mixed", (mixed * b)[:b], b)
-    return report_of(runs, base, machine_info(dev, torch.get_num_threads()),
-                     {"model": model, "dtype": dtype_name(dtype), "dtype_reason": reason,
-                      "max_tokens": max_tokens, "prompts_per_kind": prompts_per_kind,
-                      "default_k": DEFAULT_K, "load_average": os.getloadavg()})
+    report = report_of(runs, base, machine_info(dev, torch.get_num_threads()),
+                       {"model": model, "dtype": dtype_name(dtype), "dtype_reason": reason,
+                        "max_tokens": max_tokens, "prompts_per_kind": prompts_per_kind,
+                        "default_k": DEFAULT_K, "tree_nodes": TREE_NODES,
+                        "load_average": os.getloadavg()})
+    if load:
+        from .spec_load import run_load_sweeps  # it builds on this module
+
+        options = load if isinstance(load, dict) else {}
+        report["load"] = run_load_sweeps(target, tok, methods, log=log, **options)
+        report["config"]["load_average_after"] = os.getloadavg()
+    return report
 
 
 def report_of(runs: list[Run], base: dict[str, Run], machine: dict, config: dict) -> dict:
@@ -178,7 +211,26 @@ def report_of(runs: list[Run], base: dict[str, Run], machine: dict, config: dict
         if r.method != "none" and r.batch == 1:
             row["expected_speedup"] = expected_speedup(r, ref.seconds / ref.tokens)
         rows.append(row)
-    return {"benchmark": "spec", "machine": machine, "config": config, "runs": rows}
+    return {"benchmark": "spec", "machine": machine, "config": config, "runs": rows,
+            "drafter_cost": drafter_costs(rows, config["default_k"])}
+
+
+def drafter_costs(rows: list[dict], default_k: dict[str, int]) -> list[dict]:
+    """Per method, from its batch-1 run on all kinds at the default k: the drafter's ms per
+    round (SpecStats.propose_seconds / rounds) next to the plain engine's ms per output
+    token at batch 1, and their ratio (Leviathan's c x k)."""
+    plain = [r for r in rows if r["method"] == "none" and r["batch"] == 1]
+    ms_per_token = 1e3 * sum(r["seconds"] for r in plain) / max(1, sum(r["tokens"]
+                                                                     for r in plain))
+    out = []
+    for r in rows:
+        if r["method"] != "none" and r["kind"] == "mixed" and r["batch"] == 1 \
+                and r["k"] == default_k[r["method"]] and r["rounds"]:
+            ms = 1e3 * r["propose_seconds"] / r["rounds"]
+            out.append({"method": r["method"], "k": r["k"], "draft_ms_per_round": ms,
+                        "plain_ms_per_token": ms_per_token, "ratio": ms / ms_per_token,
+                        "nodes_per_round": r["nodes_per_round"]})
+    return out
 
 
 def spec_table(report: dict) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 
 import torch
 
@@ -69,7 +70,11 @@ class BlockProposer:
                  num_blocks: int, block_size: int, tree_nodes: int = 16, tree_topk: int = 4,
                  budget: int | None = None, threshold: float = 0.0) -> None:
         self.drafter, self.head, self.embed, self.mode = drafter, head, embed, mode
-        self.k = min(k, drafter.cfg.block_size - 1)
+        if not 1 <= k < drafter.cfg.block_size:
+            raise ValueError(f"speculative_config num_speculative_tokens must be in [1, "
+                             f"{drafter.cfg.block_size - 1}] for this block drafter (its block "
+                             f"is {drafter.cfg.block_size}), got {k}")
+        self.k = k
         self.tree_nodes, self.tree_topk = tree_nodes, tree_topk
         self.budget, self.threshold = budget, threshold
         self.hidden_layers = drafter.cfg.target_layers
@@ -78,7 +83,8 @@ class BlockProposer:
         self.cache = PagedDrafter(drafter.block_cfg, num_blocks, block_size, dev, dtype)
         self.last: dict[int, dict] = {}       # seq id -> the last block's details (for plots)
         self.pending: dict[int, list[float]] = {}   # seq id -> confidences of its live draft
-        self.calibration: list[tuple[list[float], int]] = []   # (confidences, accepted)
+        # (confidences, accepted) of the last verified DSpark drafts, for calibration plots
+        self.calibration: deque[tuple[list[float], int]] = deque(maxlen=10_000)
 
     # ---- the drafter pass ---------------------------------------------------------------------
     def _forward(self, x, cache, positions):
@@ -137,10 +143,10 @@ class BlockProposer:
         for inp, lg in zip(inputs, logits):
             n = self._depth(inp)
             if inp.params.greedy:
-                out.append(Draft.chain(self.head.ids[lg[:n].argmax(-1)].tolist()))
-                continue
-            q = self._probs(lg[:n], inp)
-            toks = torch.multinomial(q, 1, generator=inp.generator)[:, 0].tolist()
+                toks, q = self.head.ids[lg[:n].argmax(-1)].tolist(), None
+            else:
+                q = self._probs(lg[:n], inp)
+                toks = torch.multinomial(q, 1, generator=inp.generator)[:, 0].tolist()
             out.append(Draft.chain(toks, q))
             self.last[inp.seq.seq_id] = {"tokens": toks}
         return out
@@ -182,7 +188,7 @@ class BlockProposer:
                 if not inp.params.greedy:
                     q = self._probs(logits[b:b + 1], inp)[0]
                     tok = int(torch.multinomial(q, 1, generator=inp.generator))
-                    pick[b] = max(int(lookup[tok]), 0)
+                    pick[b] = int(lookup[tok])          # q is zero off the draft vocabulary
                     q_rows[b] = q
             c = torch.sigmoid(d.confidence(h[:, j], prev, logp.gather(-1, pick[:, None])[:, 0]))
             tokens.append(self.head.ids[pick].tolist())

@@ -12,6 +12,7 @@ BLOCK_METHODS = ("dflash", "ddtree", "dspark")       # one block drafter serves 
 MAX_TOKENS = {"draft_model": 12, "ngram": 12, "medusa": 8, "eagle": 8, "mtp": 8,
               "dflash": 7, "ddtree": 7, "dspark": 7}  # the block drafter's block is 8
 TREE_METHODS = ("medusa", "eagle", "ddtree")
+DEFAULT_THRESHOLD = 0.1
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class SpeculativeConfig:
     expanded node (eagle), candidates per depth (ddtree). verify_budget (dspark): draft tokens
     verified per step across the whole batch (None: max(32, max_num_seqs)); at least the
     engine's max_num_seqs. confidence_threshold (dspark): a draft stops at the first token
-    whose confidence is below it, in (0, 1). drafter: a weights file to use instead of the
+    whose confidence is below it, in (0, 1) (None: DEFAULT_THRESHOLD). drafter: a weights file to use instead of the
     packaged one."""
 
     method: str
@@ -33,7 +34,7 @@ class SpeculativeConfig:
     tree_nodes: int = 16
     tree_topk: int = 4
     verify_budget: int | None = None
-    confidence_threshold: float = 0.1
+    confidence_threshold: float | None = None
     drafter: str | None = None
 
     def __post_init__(self) -> None:
@@ -55,9 +56,13 @@ class SpeculativeConfig:
                                                or self.verify_budget < 1):
             raise ValueError(f"speculative_config verify_budget must be an int >= 1 (draft "
                              f"tokens per step), got {self.verify_budget!r}")
-        if not 0 < self.confidence_threshold < 1:
+        if self.confidence_threshold is not None and not 0 < self.confidence_threshold < 1:
             raise ValueError(f"speculative_config confidence_threshold must be in (0, 1), got "
                              f"{self.confidence_threshold!r}")
+        for name in ("verify_budget", "confidence_threshold"):
+            if getattr(self, name) is not None and self.method != "dspark":
+                raise ValueError(f"speculative_config {name} is an option of dspark, not of "
+                                 f"{self.method}")
         if self.method == "ngram" and self.drafter is not None:
             raise ValueError("speculative_config drafter: ngram has no weights")
 
@@ -75,6 +80,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: "
                              f"{sorted(known)}")
         return cls(**options)
+
+    @property
+    def threshold(self) -> float:
+        """DSpark's early-exit threshold (the default when not given)."""
+        return DEFAULT_THRESHOLD if self.confidence_threshold is None else \
+            self.confidence_threshold
 
     @property
     def max_draft_tokens(self) -> int:

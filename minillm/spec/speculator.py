@@ -149,4 +149,4 @@ def block_proposer(cfg: SpeculativeConfig, engine: LLMEngine, drafter=None) -> B
     blocks = engine.drafter_blocks(max(cfg.max_draft_tokens, module.cfg.block_size))
     return BlockProposer(module, head, engine.model.embed, cfg.method,
                          cfg.num_speculative_tokens, blocks, engine.blocks.block_size,
-                         cfg.tree_nodes, cfg.tree_topk, budget, cfg.confidence_threshold)
+                         cfg.tree_nodes, cfg.tree_topk, budget, cfg.threshold)

@@ -68,18 +68,102 @@ def plot_spec(report: dict):
         sweep = sorted((r for r in mixed if r["batch"] == 1), key=lambda r: r["k"])
         axes[1].plot([r["k"] for r in sweep], [r["speedup"] for r in sweep], "o-", color=c,
                      label=m)
-        by_batch = sorted((r for r in mixed if r["k"] == default[m]), key=lambda r: r["batch"])
-        axes[2].plot([r["batch"] for r in by_batch], [r["speedup"] for r in by_batch], "o-",
-                     color=c, label=m)
+    speedup_by_batch(axes[2], report)
     axes[0].set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02),
                 title="acceptance by position (batch 1)")
     axes[1].set(xlabel="lookahead k (tree depth)", ylabel="speedup over no speculation",
                 title="speedup vs k (batch 1)")
-    axes[2].set(xlabel="batch size", ylabel="speedup over no speculation", xscale="log",
-                title="speedup vs batch size")
-    for ax in axes[1:]:
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
     for ax in axes:
         ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def spec_colours(report: dict) -> dict[str, str]:
+    """One colour per speculative method, in the order of the report's runs."""
+    methods = dict.fromkeys(r["method"] for r in report["runs"] if r["method"] != "none")
+    return {m: f"C{i}" for i, m in enumerate(methods)}
+
+
+def log_ticks(ax, values) -> None:
+    """A log x axis labelled at ``values`` only (batch sizes, budgets, rates)."""
+    ax.set_xscale("log")
+    ticks = sorted(set(values))
+    ax.set_xticks(ticks, [f"{v:g}" for v in ticks])
+    ax.xaxis.set_minor_locator(plt.NullLocator())
+
+
+def speedup_by_batch(ax, report: dict) -> None:
+    """Speedup over the plain engine at the same batch size (default k, all kinds), one line
+    per method, on ``ax``."""
+    default = report["config"]["default_k"]
+    for m, c in spec_colours(report).items():
+        runs = sorted((r for r in report["runs"] if r["method"] == m and r["kind"] == "mixed"
+                       and r["k"] == default[m]), key=lambda r: r["batch"])
+        ax.plot([r["batch"] for r in runs], [r["speedup"] for r in runs], "o-", color=c, label=m)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set(xlabel="batch size", ylabel="speedup over no speculation",
+           title="speedup vs batch size")
+    log_ticks(ax, [r["batch"] for r in report["runs"]])
+
+
+def plot_spec_load(report: dict):
+    """Speculation under load (``report["load"]`` of ``bench spec``). Top: speedup vs batch
+    size; tokens per round vs the verification budget (draft tokens per sequence per round);
+    the drafters' ms per round at batch 1 against the plain engine's ms per token. Bottom, vs
+    the Poisson request rate: the throughput speedup, the latency speedup (plain mean latency
+    / its own; the break-even is where it crosses 1) and the mean latency (the plain engine in
+    black; DSpark's budgets share a colour, the larger one dashed)."""
+    load = report["load"]
+    colours = spec_colours(report)
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8))
+    speedup_by_batch(axes[0, 0], report)
+    for m, c in colours.items():
+        rows = sorted((r for r in load["equal_budget"] if r["method"] == m),
+                      key=lambda r: r["budget"])
+        axes[0, 1].plot([r["budget"] for r in rows], [r["mean_accepted"] for r in rows], "o-",
+                        color=c, label=m)
+    axes[0, 1].set(xlabel="draft tokens verified per sequence per round",
+                   ylabel="tokens per round", title="acceptance length at equal budgets")
+    log_ticks(axes[0, 1], load["config"]["budgets"])
+    plot_drafter_cost(axes[0, 2], report.get("drafter_cost", []), colours)
+    dashed = {r["label"] for r in load["rates"] if r.get("verify_budget", 0) >
+              load["config"]["max_num_seqs"]}
+    for label in dict.fromkeys(r["label"] for r in load["rates"]):
+        rows = sorted((r for r in load["rates"] if r["label"] == label), key=lambda r: r["rate"])
+        style = dict(color=colours.get(rows[0]["method"], "black"), label=label,
+                     ls="--" if label in dashed else "-", marker="o")
+        rates = [r["rate"] for r in rows]
+        if rows[0]["method"] != "none":
+            axes[1, 0].plot(rates, [r["speedup"] for r in rows], **style)
+            axes[1, 1].plot(rates, [r["latency_speedup"] for r in rows], **style)
+        axes[1, 2].plot(rates, [r["latency"] for r in rows], **style)
+    n, t = load["config"]["num_requests"], load["config"]["max_tokens"]
+    axes[1, 0].set(ylabel="output tokens/s over no speculation",
+                   title=f"throughput speedup ({n} requests, {t} tokens)")
+    axes[1, 1].set(ylabel="plain mean latency / its own", title="latency speedup")
+    axes[1, 2].set(ylabel="mean end-to-end latency (s)", title="latency")
+    for ax in axes[1]:
+        ax.set_xlabel("requests / s (Poisson arrivals)")
+        log_ticks(ax, load["config"]["rates"])
+    for ax in axes[1, :2]:
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    for ax in axes.flat:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_drafter_cost(ax, costs: list[dict], colours: dict[str, str]) -> None:
+    """Bars: each drafter's ms per round at batch 1 (``drafter_cost`` of the spec report); a
+    dashed line: the plain engine's ms per token."""
+    bars = ax.bar([c["method"] for c in costs], [c["draft_ms_per_round"] for c in costs],
+                  color=[colours.get(c["method"], "grey") for c in costs])
+    ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    if costs:
+        ax.axhline(costs[0]["plain_ms_per_token"], color="black", lw=0.8, ls="--",
+                   label="plain engine, ms per token")
+    ax.tick_params(axis="x", labelrotation=45)
+    ax.set(ylabel="ms", title="drafter time per round (batch 1)")
