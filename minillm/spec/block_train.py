@@ -65,8 +65,9 @@ DSPARK_LR = 3e-3
 def block_features(data: dict, model, layers: tuple[int, ...], batch: int = 16,
                    out: Path | None = None) -> dict:
     """{"features": [N, m * D] bf16, "target_next": [N] int64} for ``data``'s sequences: the
-    residual stream after each of ``layers`` (-1: the final normed state) and the target's argmax after each position,
-    from right-padded batches (made once, cached in the distillation folder)."""
+    residual stream after each of ``layers`` (-1: the final normed state) and the target's
+    argmax after each position, from right-padded batches (made once, cached in the
+    distillation folder)."""
     check = int(data["tokens"].long().sum()) % 1_000_003
     name = "block-" + "-".join(map(str, layers)) + f"-{len(data['tokens'])}-{check}.pt"
     path = Path(out or distill.default_data_dir()) / name

@@ -24,8 +24,8 @@ class SpeculativeConfig:
     expanded node (eagle), candidates per depth (ddtree). verify_budget (dspark): draft tokens
     verified per step across the whole batch (None: max(32, max_num_seqs)); at least the
     engine's max_num_seqs. confidence_threshold (dspark): a draft stops at the first token
-    whose confidence is below it, in (0, 1) (None: DEFAULT_THRESHOLD). drafter: a weights file to use instead of the
-    packaged one."""
+    whose confidence is below it, in (0, 1) (None: DEFAULT_THRESHOLD). drafter: a weights
+    file to use instead of the packaged one."""
 
     method: str
     num_speculative_tokens: int = 4
