@@ -1,0 +1,139 @@
+"""Chapter 06b checkers: reference solutions pass, wrong ones fail, untouched stubs are "TODO"."""
+from __future__ import annotations
+
+import heapq
+
+from lab_checks import checker_tests
+
+from minillm.labs import ch06b
+
+# --- reference solutions (the teacher's key, written from the chapter's text) ----------------
+
+
+def best_first_tree(logps, budget):
+    # Pop the best prefix; push its children (every candidate of the next depth).
+    parents, picks = [], []
+    frontier = [(-logps[0][r], 0, (r,)) for r in range(len(logps[0]))] if logps else []
+    heapq.heapify(frontier)
+    while frontier and len(parents) < budget:
+        neg, parent, path = heapq.heappop(frontier)
+        parents.append(parent)
+        picks.append((len(path) - 1, path[-1]))
+        node, d = len(parents), len(path)
+        if d < len(logps):
+            for r, lp in enumerate(logps[d]):
+                heapq.heappush(frontier, (neg - lp, node, path + (r,)))
+    return parents, picks
+
+
+def fill_budget(confidences, budget):
+    # Every token's worth is its prefix probability; take the `budget` best (they form prefixes).
+    worth = []
+    for s, c in enumerate(confidences):
+        p = 1.0
+        for x in c:
+            p *= x
+            worth.append((-p, s))
+    keep = [0] * len(confidences)
+    for _, s in sorted(worth)[:budget]:
+        keep[s] += 1
+    return keep
+
+
+# --- wrong solutions -----------------------------------------------------------------------
+
+
+def breadth_first_tree(logps, budget):
+    """Level by level: every node of depth d (best first) before any of depth d + 1, as a tree
+    of per-depth top-k expansions would; never goes deep when the drafter is sure."""
+    parents, picks, level = [], [], [(0.0, 0, ())]
+    for d, row in enumerate(logps):
+        grown = sorted(((s + lp, node, path + (r,)) for s, node, path in level
+                        for r, lp in enumerate(row)), key=lambda x: -x[0])
+        level = []
+        for s, parent, path in grown:
+            if len(parents) == budget:
+                return parents, picks
+            parents.append(parent)
+            picks.append((d, path[-1]))
+            level.append((s, len(parents), path))
+    return parents, picks
+
+
+def local_score_tree(logps, budget):
+    """Best-first, but a node is scored by its own token's log-probability, not the path's."""
+    parents, picks = [], []
+    frontier = [(-logps[0][r], 0, (r,)) for r in range(len(logps[0]))] if logps else []
+    heapq.heapify(frontier)
+    while frontier and len(parents) < budget:
+        _, parent, path = heapq.heappop(frontier)
+        parents.append(parent)
+        picks.append((len(path) - 1, path[-1]))
+        if len(path) < len(logps):
+            for r, lp in enumerate(logps[len(path)]):
+                heapq.heappush(frontier, (-lp, len(parents), path + (r,)))
+    return parents, picks
+
+
+def equal_split(confidences, budget):
+    """The budget shared out evenly (round robin), whatever the confidences."""
+    keep = [0] * len(confidences)
+    while budget > 0 and any(k < len(c) for k, c in zip(keep, confidences)):
+        for s, c in enumerate(confidences):
+            if budget > 0 and keep[s] < len(c):
+                keep[s] += 1
+                budget -= 1
+    return keep
+
+
+def raw_confidence_fill(confidences, budget):
+    """Greedy, in order, but by each token's own confidence instead of its prefix product."""
+    keep = [0] * len(confidences)
+    for _ in range(budget):
+        open_ = [s for s, c in enumerate(confidences) if keep[s] < len(c)]
+        if not open_:
+            break
+        s = max(open_, key=lambda s: confidences[s][keep[s]])
+        keep[s] += 1
+    return keep
+
+
+CHECKS = [
+    (ch06b.check_best_first_tree, best_first_tree, breadth_first_tree),
+    (ch06b.check_best_first_tree, best_first_tree, local_score_tree),
+    (ch06b.check_fill_budget, fill_budget, equal_split),
+    (ch06b.check_fill_budget, fill_budget, raw_confidence_fill),
+]
+IDS = ["tree-breadth_first", "tree-local_score", "budget-equal_split", "budget-raw_confidence"]
+test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = checker_tests(CHECKS, IDS)
+
+
+def test_a_tree_in_another_parents_first_order_passes():
+    """The checker compares node sets: listing the package's tree level by level passes."""
+    def reordered(logps, budget):
+        parents, picks = best_first_tree(logps, budget)
+        order = sorted(range(len(picks)), key=lambda i: (picks[i][0], i))
+        new = {old + 1: new + 1 for new, old in enumerate(order)}
+        return [new.get(parents[i], 0) for i in order], [picks[i] for i in order]
+
+    assert ch06b.check_best_first_tree(reordered).passed is True
+
+
+def test_a_child_before_its_parent_fails():
+    def reversed_tree(logps, budget):
+        parents, picks = best_first_tree(logps, budget)
+        n = len(parents)
+        return [n + 1 - p if p else 0 for p in parents[::-1]], picks[::-1]
+
+    result = ch06b.check_best_first_tree(reversed_tree)
+    assert result.passed is False and "before its child" in result.message
+
+
+def test_an_unspent_budget_fails():
+    result = ch06b.check_fill_budget(lambda conf, budget: [min(1, len(c)) for c in conf])
+    assert result.passed is False
+
+
+def test_expected_accepted_is_the_sum_of_prefix_products():
+    assert abs(ch06b.expected_accepted([[0.5, 0.5], [0.8]], [2, 1]) - (0.5 + 0.25 + 0.8)) < 1e-12
+    assert ch06b.best_fill([[0.5, 0.5], [0.8]], 2) == 0.5 + 0.8
