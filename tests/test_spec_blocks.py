@@ -112,8 +112,8 @@ def test_sampled_block_drafts_finish_and_free_everything(model):
 
 
 def test_dspark_budget_is_shared_across_the_batch(model):
-    """With a budget of one token per sequence, no step verifies more than max_num_seqs
-    draft tokens, and every draft has at most... one token per sequence on average."""
+    """With a budget of one token per sequence (8 for max_num_seqs 8), no step verifies more
+    than 8 draft tokens, and the budget is used (some step verifies at least 5)."""
     engine = block_engine(model, "dspark", k=3, verify_budget=8, confidence_threshold=1e-6)
     run_all(engine, prompts_of([5, 7, 9, 4, 6, 8, 3, 10], seed=5), GREEDY)
     assert max(r.drafted_tokens for r in engine.trace) <= 8

@@ -29,6 +29,7 @@ from ..engine.sequence import Draft
 from ..engine.speculation import SpecInput
 from .drafters import BlockDrafter, DraftHead
 from .proposers import PagedDrafter
+from .train import vocab_lookup
 from .trees import best_first_tree
 
 
@@ -217,11 +218,8 @@ class BlockProposer:
     def _lookup(self) -> torch.Tensor:
         """[V]: a token's draft-vocabulary index, Vd for one outside it (cached)."""
         if not hasattr(self, "_lookup_table"):
-            vd = self.drafter.cfg.draft_vocab
-            table = torch.full((self.head.vocab_size,), vd, dtype=torch.long,
-                               device=self.head.ids.device)
-            table[self.head.ids] = torch.arange(vd, device=table.device)
-            self._lookup_table = table
+            table = vocab_lookup(self.head.ids, self.head.vocab_size).to(self.head.ids.device)
+            self._lookup_table = torch.where(table >= 0, table, self.drafter.cfg.draft_vocab)
         return self._lookup_table
 
     def observe(self, seq_id: int, accepted: int) -> None:
