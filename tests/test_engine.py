@@ -38,6 +38,8 @@ LENGTHS = [5, 17, 32, 1, 40, 9, 16, 23]
     dict(admission="reserve"),
     dict(block_size=1), dict(block_size=7),
     dict(max_num_batched_tokens=40, max_num_seqs=2),
+    dict(step_policy="prefill_first"), dict(step_policy="decode_first"),
+    dict(step_policy="chunked", max_num_batched_tokens=24, max_num_seqs=8),
 ])
 def test_batched_greedy_equals_each_request_alone(tiny64, options):
     model, tok = tiny64

@@ -40,8 +40,8 @@ GiB = 1 << 30
 @dataclass(frozen=True)
 class EngineConfig(SchedulerConfig):
     """Engine options: the scheduler's (max_num_seqs, max_num_batched_tokens, batching, policy,
-    admission, preemption, mixed, enable_chunked_prefill) plus the KV pool's and the attention
-    backend.
+    admission, preemption, mixed, enable_chunked_prefill, step_policy) plus the KV pool's and the
+    attention backend.
 
     num_kv_blocks None sizes the pool from ``kv_cache_memory`` bytes (None: 90% of free GPU
     memory on CUDA, 2 GiB on the CPU). ``swap_space`` GiB of CPU memory hold swapped blocks.

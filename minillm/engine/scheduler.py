@@ -23,6 +23,15 @@ CPU pool is full).
 ``mixed``: prefills and decodes share a step (one flat batch, selective batching). Without it a
 step is all prefill or all decode, prefill first (vLLM before chunked prefill).
 
+``step_policy`` names the three classic ways to share steps between the two phases and sets
+``mixed`` and ``enable_chunked_prefill`` for them (None leaves those two as given):
+- ``prefill_first``: a step with waiting prompts runs only prompts, whole; running decodes stall
+  until they are done (vLLM v0, Orca-style): best TTFT, the worst inter-token stalls.
+- ``decode_first``: while any request decodes, steps run only decodes; prompts wait for a step
+  with none (FasterTransformer's request-level rhythm): smooth decodes, the worst TTFT.
+- ``chunked``: Sarathi-Serve's stall-free batching: every step fills ``max_num_batched_tokens``
+  with the running decodes first, then prompt chunks.
+
 The plan is in tokens: each scheduled sequence computes ``num_tokens`` tokens from its
 ``num_computed``, and ``max_num_batched_tokens`` bounds their sum in every step. Decodes are
 served first; the room left goes to prompts in order. With ``enable_chunked_prefill`` (Sarathi,
@@ -41,6 +50,7 @@ BATCHING = ("continuous", "static")
 POLICIES = ("fcfs", "priority")
 ADMISSION = ("paged", "reserve")
 PREEMPTION = ("recompute", "swap")
+STEP_POLICIES = ("chunked", "prefill_first", "decode_first")
 
 
 @dataclass(frozen=True)
@@ -53,12 +63,20 @@ class SchedulerConfig:
     preemption: str = "recompute"
     mixed: bool = True
     enable_chunked_prefill: bool = True
+    step_policy: str | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in (("batching", BATCHING), ("policy", POLICIES),
                               ("admission", ADMISSION), ("preemption", PREEMPTION)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.step_policy is not None:
+            if self.step_policy not in STEP_POLICIES:
+                raise ValueError(f"step_policy must be one of {STEP_POLICIES} or None, got "
+                                 f"{self.step_policy!r}")
+            chunked = self.step_policy == "chunked"
+            object.__setattr__(self, "mixed", chunked)
+            object.__setattr__(self, "enable_chunked_prefill", chunked)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -141,7 +159,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         static_busy = self.config.batching == "static" and (self.running or self.swapped)
-        if not self.config.mixed and not static_busy and not self.swapped:
+        decodes_first = self.config.step_policy == "decode_first" and \
+            any(not self._prefilling(r) for r in self.running)
+        if not self.config.mixed and not static_busy and not self.swapped and not decodes_first:
             self._grow_running(out, budget, prefills=True, decodes=False)
             self._admit_waiting(out, budget - out.num_tokens)
             if out.requests:
