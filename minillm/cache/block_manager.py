@@ -10,7 +10,9 @@ The device pool (:mod:`minillm.cache.pool`) is an array of ``num_blocks`` blocks
   (src, dst) is returned for the model runner to perform on the device;
 - *swap*: a sequence's blocks can move to a second, CPU-side pool and back;
 - a *watermark* of blocks kept free when admitting new sequences, so that running sequences can
-  still grow for a while without preemption (vLLM keeps 1% by default).
+  still grow for a while without preemption (vLLM keeps 1% by default);
+- *holds*: a held sequence's blocks outlive ``free`` (kept under the key ``~seq_id``) until
+  ``release``: a disaggregated prefill keeps a prompt's KV until the decode side has pulled it.
 
 Invariants (``check``): a block's reference count equals the number of tables holding it; a block
 is on the free list exactly when its count is 0; every table holds at least
@@ -85,6 +87,7 @@ class BlockManager:
         self.filled: dict[int, int] = {}            # seq id -> token slots in use
         self.fill = [0] * num_blocks                # device block -> its slots holding K/V
         self.slots = 0                              # sum of fill: slots in use, O(1) to read
+        self.holds: set[int] = set()                # seq ids whose blocks outlive free()
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -215,8 +218,26 @@ class BlockManager:
         self.tables[child_id] = list(table)
         self.filled[child_id] = self.filled[parent_id]
 
+    def hold(self, seq_id: int) -> None:
+        """Keep the sequence's device blocks when it is freed, until ``release(seq_id)``."""
+        self.holds.add(seq_id)
+
+    def release(self, seq_id: int) -> None:
+        """Free what a hold kept (and end the hold); unknown ids are ignored."""
+        self.holds.discard(seq_id)
+        self.free(~seq_id)
+
+    def held_table(self, seq_id: int) -> list[int] | None:
+        """The blocks a hold kept for a freed sequence (None if there are none)."""
+        return self.tables.get(~seq_id)
+
     def free(self, seq_id: int) -> None:
-        """Release a sequence's blocks (device or swapped); unknown ids are ignored."""
+        """Release a sequence's blocks (device or swapped); unknown ids are ignored. A held
+        sequence's device table moves to ``~seq_id`` instead (replacing an older one)."""
+        if seq_id in self.holds and seq_id in self.tables:
+            self.free(~seq_id)
+            self.tables[~seq_id] = self.tables.pop(seq_id)
+            self.filled[~seq_id] = self.filled.pop(seq_id)
         for block in self.tables.pop(seq_id, []):
             self._release(block)
         for block in self.cpu_tables.pop(seq_id, []):

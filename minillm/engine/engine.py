@@ -91,6 +91,7 @@ def kv_blocks_for_memory(model: Transformer, block_size: int, memory: int | None
 
 
 StepHook = Callable[["LLMEngine", StepRecord], None]
+PlanHook = Callable[["LLMEngine", SchedulerOutput], None]
 
 
 class LLMEngine:
@@ -115,6 +116,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.trace: deque[StepRecord] = deque(maxlen=config.trace_steps)
         self.step_hooks: list[StepHook] = []
+        self.plan_hooks: list[PlanHook] = []   # called with each plan, before the forward
         self.num_steps = 0
         self._ids = itertools.count()
         self._generators: dict[str, torch.Generator | None] = {}
@@ -164,6 +166,45 @@ class LLMEngine:
         self.requests[request_id] = req
         self._generators[request_id] = make_generator(params.seed, self.model.device)
         self.scheduler.add(req)
+        return request_id
+
+    def can_adopt(self, prompt_len: int) -> bool:
+        """Room now for one more running sequence whose ``prompt_len`` tokens come computed
+        (blocks above the watermark, one more decode slot, a free sequence slot)?"""
+        live = sum(len(r.seqs) for r in self.scheduler.running)
+        return live < self.config.max_num_seqs and self.blocks.can_allocate(prompt_len + 1)
+
+    def add_prefilled(self, prompt_ids: list[int], params: SamplingParams,
+                      output_ids: list[int], seq_id: int, request_id: str | None = None,
+                      arrival_time: float | None = None) -> str:
+        """Adopt a request whose prompt was computed elsewhere (a disaggregated prefill worker):
+        the prompt's K/V is already in the blocks of ``seq_id`` (allocated by the caller), and
+        ``output_ids`` (>= 1) were sampled so far. The request joins the running batch: the
+        next step decodes after its last token (tokens between are computed first)."""
+        ids, _ = self.validate(list(prompt_ids), params)
+        if params.n > 1 or params.use_beam_search:
+            raise ValueError("add_prefilled takes one sequence: n and beam_width must be 1")
+        table = self.blocks.tables.get(seq_id)
+        if table is None or len(table) < blocks_for(len(ids), self.blocks.block_size):
+            raise ValueError(f"seq_id {seq_id} must own blocks for the {len(ids)} prompt tokens")
+        if not output_ids:
+            raise ValueError("output_ids must hold at least the first sampled token")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seq = Sequence(ids + [int(t) for t in output_ids], len(ids), seq_id=seq_id,
+                       num_computed=len(ids))
+        req = Request(request_id, ids, params, seqs=[seq])
+        if arrival_time is not None:
+            req.metrics.arrival = arrival_time
+        req.metrics.first_scheduled = req.metrics.first_token = time.perf_counter()
+        if self.tokenizer is not None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+            seq.detok.push(seq.output_ids)
+        self.requests[request_id] = req
+        self._generators[request_id] = make_generator(params.seed, self.model.device)
+        req.status = Status.RUNNING
+        self.scheduler.running.append(req)
         return request_id
 
     def validate(self, prompt: str | list[int], params: SamplingParams
@@ -238,6 +279,8 @@ class LLMEngine:
         want_all = {s.seq_id for r in plan.requests if self._collects_prompt_logprobs(r)
                     for s in r.seqs}
         scheduled = {r.request_id: plan.tokens_of(r) for r in plan.requests}
+        for plan_hook in self.plan_hooks:
+            plan_hook(self, plan)
         drafted = {w.seq.seq_id: w.seq.num_draft for w in plan.seqs if w.seq.draft}
         masks, positions = self._tree_inputs(plan)
         result = self.runner.execute(plan, self.blocks.tables, all_logits=want_all | drafted.keys(),

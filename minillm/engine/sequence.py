@@ -29,6 +29,12 @@ class Status(enum.Enum):
 _seq_ids = itertools.count()
 
 
+def new_seq_id() -> int:
+    """A sequence id no other sequence in this process has (for blocks allocated before their
+    sequence exists, e.g. KV pulled from a prefill worker)."""
+    return next(_seq_ids)
+
+
 @dataclass
 class Draft:
     """Tokens a drafter proposes after a sequence's last token, as a tree (a chain is the tree
@@ -93,7 +99,7 @@ class Sequence:
 
     token_ids: list[int]
     prompt_len: int
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    seq_id: int = field(default_factory=new_seq_id)
     num_computed: int = 0
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None   # "stop" (EOS or a stop string), "length", "abort"

@@ -1,0 +1,397 @@
+"""``DisaggLLM``: a prefill worker and decode workers in their own processes, a router in this one.
+
+    with DisaggLLM("smollm2-135m", num_decode=1, layerwise=True) as llm:
+        outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32))
+        for piece in llm.stream("Tell me a story"): print(piece, end="")
+
+The router (this process) sends each request to the prefill worker (rank 0) and to the
+least-loaded live decode worker, hears the first token from the prefill side and the rest from
+the decode side, and turns the token stream into text with its own incremental detokenizer (stop
+strings are applied here, as a front end does). It also watches the workers: when a decode
+worker dies, its unfinished requests go to another one, recomputed from prompt + tokens so far,
+or, with ``standby``, resumed from the prompt KV the prefill worker still keeps; with no decode
+worker left the prefill worker serves them whole. Every wait has a timeout.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.multiprocessing as mp
+
+from ..config import PRESETS, SamplingParams
+from ..device import serving_dtype
+from ..engine.detokenizer import IncrementalDetokenizer
+from ..engine.engine import EngineConfig
+from ..engine.outputs import CompletionOutput, RequestOutput
+from ..engine.sequence import Metrics
+from ..parallel.launch import free_port
+from .worker import FAULTS, PREFILL_RANK, ROUTER, Job, WorkerSpec, worker_main
+
+Prompt = str | list[int]
+
+
+@dataclass
+class Tracked:
+    """The router's view of one request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    decode_rank: int | None
+    detok: IncrementalDetokenizer | None
+    metrics: Metrics = field(default_factory=lambda: Metrics(time.perf_counter()))
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    delta: str = ""
+    reroutes: int = 0
+
+
+class DisaggLLM:
+    """Serve ``model`` with 1 prefill and ``num_decode`` decode worker processes.
+
+    ``layerwise``: the prompt's KV goes out layer by layer during the forward pass that
+    completes it (else all at once after it). ``standby``: the prefill worker keeps every
+    prompt's KV until its request ends, so a request whose decode worker dies resumes without
+    recomputing its prompt. ``threads`` per worker (default: the cores split between them).
+    ``faults`` {rank: (name, arg)} makes a decode worker exit for real at a point (tests).
+    ``engine_options`` are :class:`~minillm.engine.EngineConfig` fields, for every worker."""
+
+    def __init__(self, model: str = "smollm2-135m", *, num_decode: int = 1,
+                 layerwise: bool = True, standby: bool = False, dtype=None, seed: int = 0,
+                 random_weights: bool = False, threads: int | None = None,
+                 timeout_s: float = 120.0, faults: dict | None = None,
+                 **engine_options) -> None:
+        if isinstance(num_decode, bool) or not isinstance(num_decode, int) or num_decode < 1:
+            raise ValueError(f"num_decode must be an int >= 1 (one prefill worker plus at least "
+                             f"one decode worker), got {num_decode!r}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        _check_faults(faults or {}, num_decode)
+        EngineConfig(**engine_options)   # bad options fail here, before any process starts
+        world = 1 + num_decode
+        threads = threads or max(1, torch.get_num_threads() // world)
+        dtype, _ = serving_dtype(dtype, torch.device("cpu"))
+        self.spec = WorkerSpec(model, dtype, seed, random_weights, dict(engine_options), world,
+                               free_port(), layerwise, standby, timeout_s, threads,
+                               dict(faults or {}))
+        self.tokenizer = _router_tokenizer(model)
+        self.timeout_s = timeout_s
+        self.requests: dict[str, Tracked] = {}
+        self.transfers: dict[str, dict] = {}     # rid -> {"sent": ..., "received": ...}
+        self.dead: set[int] = set()
+        self._ids, self._index = itertools.count(), itertools.count()
+        self._stats: dict[int, dict] = {}
+        self._start_workers()
+
+    # ---- processes ----------------------------------------------------------------------------
+    def _start_workers(self) -> None:
+        ctx = mp.get_context("spawn")
+        world = self.spec.world_size
+        pairs = [(ROUTER, r) for r in range(world)] + [(r, ROUTER) for r in range(world)] + \
+            [(r, PREFILL_RANK) for r in range(1, world)]
+        self.links = {pair: ctx.Queue() for pair in pairs}
+        self.procs = [ctx.Process(target=worker_main, daemon=True, name=f"minillm-disagg{r}",
+                                  args=(r, self.spec, self.links))
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.pids: dict[int, int] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(self.pids) < world:
+            for msg in self._receive(0.2):
+                if msg[0] == "error":
+                    self.close()
+                    raise RuntimeError(f"disaggregated worker {msg[1]} failed to start:\n"
+                                       f"{msg[2]}")
+                self.pids[msg[1]] = msg[2]
+            gone = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
+            if gone or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"workers {gone} exited during start-up" if gone else
+                                   f"workers not ready within {self.timeout_s} s")
+
+    def _send(self, rank: int, msg: tuple) -> None:
+        self.links[ROUTER, rank].put(msg)
+
+    def _receive(self, wait_s: float) -> list[tuple]:
+        """What live workers sent (waiting up to ``wait_s`` for the first message). A dead
+        worker's queue is not read: its last message may be cut short."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            msgs = []
+            for r in range(self.spec.world_size):
+                if r in self.dead:
+                    continue
+                q = self.links[r, ROUTER]
+                try:
+                    while True:
+                        msgs.append(q.get_nowait())
+                except queue.Empty:
+                    pass
+            if msgs or time.monotonic() >= deadline:
+                return msgs
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        """Stop every worker (politely, then by force); the object is unusable afterwards."""
+        for r in range(self.spec.world_size):
+            if r not in self.dead and hasattr(self, "links"):
+                self._send(r, ("stop",))
+        for p in getattr(self, "procs", []):
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def __enter__(self) -> DisaggLLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        ids, text = self._validate(prompt, params)
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
+        tr = Tracked(rid, ids, params, text, None, detok)
+        self.requests[rid] = tr
+        self._dispatch(tr, ids, params)
+        return rid
+
+    def _validate(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.n > 1 or params.use_beam_search:
+            raise ValueError("disaggregated serving runs one sequence per request: n and "
+                             "beam_width must be 1")
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            raise ValueError("logprobs and prompt_logprobs are not supported by DisaggLLM")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids")
+            return self.tokenizer.encode(prompt), prompt
+        ids = [int(i) for i in prompt]
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        return ids, None
+
+    def _dispatch(self, tr: Tracked, prompt_ids: list[int], params: SamplingParams,
+                  output_ids: list[int] | None = None) -> None:
+        """Send ``tr`` to the prefill worker and a decode worker (or, with ``output_ids``, only
+        to a decode worker, which pulls the prompt KV the prefill worker kept)."""
+        tr.decode_rank = self._pick_decode()
+        job = Job(tr.request_id, next(self._index), prompt_ids, params, tr.decode_rank,
+                  list(output_ids or []))
+        if tr.decode_rank is not None:
+            self._send(tr.decode_rank, ("expect", job))
+        if output_ids is None or tr.decode_rank is None:
+            self._send(PREFILL_RANK, ("prefill", job))
+
+    def _pick_decode(self) -> int | None:
+        alive = [r for r in range(1, self.spec.world_size) if r not in self.dead]
+        if not alive:
+            return None
+        load = {r: 0 for r in alive}
+        for tr in self.requests.values():
+            if tr.finish_reason is None and tr.decode_rank in load:
+                load[tr.decode_rank] += 1
+        return min(alive, key=lambda r: (load[r], r))
+
+    def abort(self, request_id: str) -> bool:
+        tr = self.requests.get(str(request_id))
+        if tr is None or tr.finish_reason is not None:
+            return False
+        self._finish(tr, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return any(tr.finish_reason is None for tr in self.requests.values())
+
+    # ---- the router's loop --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Read what the workers reported (waiting up to 50 ms for something), re-route the
+        requests of dead decode workers; returns the outputs of requests that changed."""
+        self._check_workers()
+        changed: dict[str, Tracked] = {}
+        for msg in self._receive(0.05):
+            tr = self._handle(msg)
+            if tr is not None:
+                changed[tr.request_id] = tr
+        return [self._output(tr) for tr in changed.values()]
+
+    def _handle(self, msg: tuple) -> Tracked | None:
+        kind = msg[0]
+        if kind == "error":
+            raise RuntimeError(f"disaggregated worker {msg[1]} failed:\n{msg[2]}")
+        if kind == "stats":
+            self._stats[msg[1]] = msg[2]
+            return None
+        if kind in ("sent", "received"):
+            self.transfers.setdefault(msg[1], {})[kind] = msg[2]
+            return None
+        tr = self.requests.get(msg[1])
+        if tr is None or tr.finish_reason is not None:
+            return None
+        if kind == "first":
+            if tr.decode_rank is not None:
+                self._send(tr.decode_rank, msg)
+            tr.metrics.first_token = tr.metrics.first_token or time.perf_counter()
+            self._extend(tr, [msg[2]], msg[3])
+        elif kind == "tokens":
+            self._extend(tr, msg[2], msg[3])
+        return tr
+
+    def _extend(self, tr: Tracked, tokens: list[int], reason: str | None) -> None:
+        """Append tokens, applying stop strings and max_tokens here (as the workers do)."""
+        for t in tokens:
+            tr.tokens.append(t)
+            if tr.detok is not None:
+                tr.delta += tr.detok.push([t])
+                if tr.detok.stopped:
+                    return self._finish(tr, "stop")
+            if t == _eos(self) and not tr.params.ignore_eos:
+                return self._finish(tr, "stop")
+            if len(tr.tokens) >= tr.params.max_tokens:
+                return self._finish(tr, "length")
+        if reason is not None:
+            self._finish(tr, reason)
+
+    def _finish(self, tr: Tracked, reason: str) -> None:
+        tr.finish_reason = reason
+        tr.metrics.finished = time.perf_counter()
+        if tr.detok is not None:
+            tr.delta += tr.detok.finish()
+        if tr.decode_rank is not None and tr.decode_rank not in self.dead:
+            self._send(tr.decode_rank, ("cancel", tr.request_id))
+        self._send(PREFILL_RANK, ("release", tr.request_id))
+
+    def _output(self, tr: Tracked) -> RequestOutput:
+        text = tr.detok.text if tr.detok is not None else ""
+        out = CompletionOutput(0, text, list(tr.tokens), None, tr.finish_reason, tr.delta)
+        tr.delta = ""
+        return RequestOutput(tr.request_id, tr.prompt, tr.prompt_ids, [out],
+                             tr.finish_reason is not None, tr.metrics)
+
+    # ---- faults -------------------------------------------------------------------------------
+    def _check_workers(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            if proc.exitcode is None or rank in self.dead:
+                continue
+            if rank == PREFILL_RANK:
+                raise RuntimeError(f"the prefill worker exited with code {proc.exitcode}")
+            self.dead.add(rank)
+            for tr in self.requests.values():
+                if tr.finish_reason is None and tr.decode_rank == rank:
+                    self._reroute(tr)
+
+    def _reroute(self, tr: Tracked) -> None:
+        """Give a request of a dead decode worker to a live one: resume from the kept prompt
+        KV (standby) or recompute prompt + tokens so far."""
+        tr.reroutes += 1
+        if self.spec.standby:
+            return self._dispatch(tr, tr.prompt_ids, tr.params, output_ids=tr.tokens)
+        self._send(PREFILL_RANK, ("release", tr.request_id))
+        left = replace(tr.params, max_tokens=tr.params.max_tokens - len(tr.tokens))
+        self._dispatch(tr, tr.prompt_ids + tr.tokens, left)
+
+    def worker_stats(self, timeout_s: float = 10.0) -> dict[int, dict]:
+        """{rank: blocks used/free, blocks held for transfer, requests} of every live worker,
+        asked now (the router's loop keeps running while it waits)."""
+        alive = [r for r in range(self.spec.world_size) if r not in self.dead]
+        self._stats = {}
+        for r in alive:
+            self._send(r, ("stats",))
+        deadline = time.monotonic() + timeout_s
+        while not self._stats.keys() >= set(alive):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers {sorted(set(alive) - self._stats.keys())} did not "
+                                   f"answer within {timeout_s} s")
+            self.step()
+        return dict(self._stats)
+
+    # ---- the LLM-style API --------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order (as ``minillm.LLM``)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise ValueError(f"params must be one SamplingParams or one per prompt "
+                             f"({len(prompts)}), got {len(per)}")
+        for p, sp in zip(prompts, per):
+            self._validate(p, sp or SamplingParams())
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per)]
+        done: dict[str, RequestOutput] = {}
+        self._run_until(lambda: all(i in done for i in ids), done)
+        return [done[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the new text of one request as its tokens arrive; closing early aborts it."""
+        rid = self.add_request(prompt, params)
+        try:
+            while True:
+                last = time.monotonic()
+                for out in self.step():
+                    if out.request_id == rid:
+                        last = time.monotonic()
+                        if out.outputs[0].text_delta:
+                            yield out.outputs[0].text_delta
+                        if out.finished:
+                            return
+                if time.monotonic() - last > self.timeout_s:
+                    raise TimeoutError(f"request {rid} made no progress in {self.timeout_s} s")
+        finally:
+            self.abort(rid)
+
+    def _run_until(self, done_when, done: dict[str, RequestOutput]) -> None:
+        last = time.monotonic()
+        while not done_when():
+            outs = self.step()
+            if outs:
+                last = time.monotonic()
+            for out in outs:
+                if out.finished:
+                    done[out.request_id] = out
+            if time.monotonic() - last > self.timeout_s:
+                stuck = {r: (t.decode_rank, len(t.tokens)) for r, t in self.requests.items()
+                         if t.finish_reason is None}
+                raise TimeoutError(f"no request made progress in {self.timeout_s} s; waiting "
+                                   f"(decode rank, tokens): {stuck}; workers: "
+                                   f"{self.worker_stats()}")
+
+
+def _eos(llm: DisaggLLM) -> int:
+    name = llm.spec.model
+    return PRESETS[name].eos_token_id if name in PRESETS else PRESETS["smollm2-135m"].eos_token_id
+
+
+def _router_tokenizer(model: str):
+    """The tokenizer the router detokenizes with (SmolLM2's for its vocabulary), or None."""
+    from ..checkpoint.loader import smollm2_tokenizer
+
+    real = PRESETS["smollm2-135m"].vocab_size
+    if model not in PRESETS or PRESETS[model].vocab_size == real:
+        return smollm2_tokenizer()
+    return None
+
+
+def _check_faults(faults: dict, num_decode: int) -> None:
+    for rank, (name, _) in faults.items():
+        if not 1 <= rank <= num_decode:
+            raise ValueError(f"faults: rank must be a decode worker in [1, {num_decode}], "
+                             f"got {rank}")
+        if name not in FAULTS:
+            raise ValueError(f"faults: name must be one of {FAULTS}, got {name!r}")
