@@ -338,10 +338,51 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_chunked(sub) -> None:
+    from .bench.chunked import BUDGETS
+
+    p = bench_parser(sub, "chunked", "chunked prefill vs prefill_first and decode_first: "
+                                     "inter-token latency, TTFT and throughput")
+    p.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS),
+                   help="chunked prefill's tokens per step; the first is the headline "
+                        "(default: %(default)s)")
+    p.add_argument("--num-decodes", type=int, default=16,
+                   help="running requests, short prompts and long outputs (default: 16)")
+    p.add_argument("--num-long", type=int, default=8,
+                   help="long prompts arriving while they decode (default: 8)")
+    p.add_argument("--long-range", nargs=2, type=int, default=[1000, 2000], metavar=("MIN", "MAX"),
+                   help="long prompt tokens (default: 1000 2000)")
+    p.add_argument("--long-tokens", type=int, default=16,
+                   help="output tokens of each long prompt (default: 16)")
+    p.add_argument("--gap-steps", type=int, default=24,
+                   help="decode steps between two long prompts besides one's prefill "
+                        "(default: 24)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="rounds of every policy, interleaved; each keeps its shortest "
+                        "(default: 2)")
+    p.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    p.add_argument("--dtype", default=None, help="default: what minillm.LLM picks (the "
+                                                 "equality check always runs in fp32)")
+    p.set_defaults(func=cmd_bench_chunked)
+
+
+def cmd_bench_chunked(args: argparse.Namespace) -> int:
+    from .bench.chunked import chunked_table, run_chunked_bench
+    from .viz.bench import plot_chunked
+
+    report = run_chunked_bench(args.model, args.budgets, args.num_decodes, args.num_long,
+                               tuple(args.long_range), args.dtype, args.device, args.threads,
+                               log=log_to_stderr, long_tokens=args.long_tokens,
+                               gap_steps=args.gap_steps, seed=args.seed,
+                               repeats=args.repeats)
+    return write_report(args, report, chunked_table(report), plot_chunked)
+
+
 #: ``bench`` subcommands.
 BENCH_COMMANDS: dict[str, AddParser] = {"decode": add_bench_decode,
                                         "throughput": add_bench_throughput,
-                                        "quant": add_bench_quant, "spec": add_bench_spec}
+                                        "quant": add_bench_quant, "spec": add_bench_spec,
+                                        "chunked": add_bench_chunked}
 
 
 def add_bench(sub) -> None:

@@ -65,7 +65,7 @@ def test_two_decode_workers_share_the_load_and_stream_matches(reference):
         out = llm.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in out] == reference
         assert text == out[0].text and text
-        assert {llm.requests[o.request_id].decode_rank for o in out} == {1, 2}
+        assert {llm.finished[o.request_id].decode_rank for o in out} == {1, 2}
         assert_no_block_held(llm)
 
 
@@ -82,7 +82,7 @@ def test_first_token_finishes_and_aborts_leave_nothing(reference):
 
 def wait_for_tokens(llm: DisaggLLM, n: int) -> None:
     deadline = time.monotonic() + 60
-    while sum(len(t.tokens) for t in llm.requests.values()) < n:
+    while sum(len(t.tokens) for t in llm.requests.values()) < n:   # unfinished ones
         assert time.monotonic() < deadline, "no progress"
         llm.step()
 
@@ -96,7 +96,7 @@ def test_a_decode_worker_killed_mid_generation_is_rerouted(reference, standby):
         done = {}
         llm._run_until(lambda: len(done) == len(ids), done)
         assert [done[i].token_ids for i in ids] == reference
-        assert 1 in llm.dead and any(llm.requests[i].reroutes for i in ids)
+        assert 1 in llm.dead and any(llm.finished[i].reroutes for i in ids)
         assert_no_block_held(llm)
 
 

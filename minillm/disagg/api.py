@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import queue
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -50,6 +51,8 @@ class Tracked:
     finish_reason: str | None = None
     delta: str = ""
     reroutes: int = 0
+    key: str = ""        # the current job's key in the workers' messages (one per dispatch)
+    kv_key: str = ""     # the key the prefill worker keeps this request's prompt KV under
 
 
 class DisaggLLM:
@@ -82,7 +85,9 @@ class DisaggLLM:
                                dict(faults or {}))
         self.tokenizer = _router_tokenizer(model)
         self.timeout_s = timeout_s
-        self.requests: dict[str, Tracked] = {}
+        self.requests: dict[str, Tracked] = {}          # not yet handed back finished
+        self.finished: OrderedDict[str, Tracked] = OrderedDict()   # the latest finished
+        self.by_key: dict[str, Tracked] = {}           # job key -> request, while it runs
         self.transfers: dict[str, dict] = {}     # rid -> {"sent": ..., "received": ...}
         self.dead: set[int] = set()
         self._ids, self._index = itertools.count(), itertools.count()
@@ -191,8 +196,13 @@ class DisaggLLM:
         """Send ``tr`` to the prefill worker and a decode worker (or, with ``output_ids``, only
         to a decode worker, which pulls the prompt KV the prefill worker kept)."""
         tr.decode_rank = self._pick_decode()
-        job = Job(tr.request_id, next(self._index), prompt_ids, params, tr.decode_rank,
-                  list(output_ids or []))
+        index = next(self._index)
+        tr.key = f"{tr.request_id}#{index}"
+        if output_ids is None or tr.decode_rank is None:
+            tr.kv_key = tr.key
+        self.by_key[tr.key] = tr
+        job = Job(tr.key, index, prompt_ids, params, tr.decode_rank, list(output_ids or []),
+                  tr.kv_key)
         if tr.decode_rank is not None:
             self._send(tr.decode_rank, ("expect", job))
         if output_ids is None or tr.decode_rank is None:
@@ -209,10 +219,11 @@ class DisaggLLM:
         return min(alive, key=lambda r: (load[r], r))
 
     def abort(self, request_id: str) -> bool:
-        tr = self.requests.get(str(request_id))
+        tr = self.requests.pop(str(request_id), None)
         if tr is None or tr.finish_reason is not None:
             return False
         self._finish(tr, "abort")
+        self.finished[tr.request_id] = tr
         return True
 
     def has_unfinished(self) -> bool:
@@ -228,7 +239,13 @@ class DisaggLLM:
             tr = self._handle(msg)
             if tr is not None:
                 changed[tr.request_id] = tr
-        return [self._output(tr) for tr in changed.values()]
+        outs = [self._output(tr) for tr in changed.values()]
+        for tr in changed.values():
+            if tr.finish_reason is not None:       # kept a while for inspection, then dropped
+                self.finished[tr.request_id] = self.requests.pop(tr.request_id)
+                while len(self.finished) > 10_000:
+                    self.finished.popitem(last=False)
+        return outs
 
     def _handle(self, msg: tuple) -> Tracked | None:
         kind = msg[0]
@@ -238,18 +255,21 @@ class DisaggLLM:
             self._stats[msg[1]] = msg[2]
             return None
         if kind in ("sent", "received"):
-            self.transfers.setdefault(msg[1], {})[kind] = msg[2]
+            rid = msg[1].rpartition("#")[0]      # a job key is "request id#index"
+            self.transfers.setdefault(rid, {})[kind] = msg[2]
             return None
-        tr = self.requests.get(msg[1])
+        tr = self.by_key.get(msg[1])
         if tr is None or tr.finish_reason is not None:
             return None
-        if kind == "first":
+        if kind == "first" and msg[1] == tr.kv_key:     # from the prefill holding its KV
             if tr.decode_rank is not None:
-                self._send(tr.decode_rank, msg)
+                self._send(tr.decode_rank, ("first", tr.key, *msg[2:]))
             tr.metrics.first_token = tr.metrics.first_token or time.perf_counter()
             self._extend(tr, [msg[2]], msg[3])
-        elif kind == "tokens":
+        elif kind == "tokens" and msg[1] == tr.key:
             self._extend(tr, msg[2], msg[3])
+        else:
+            return None           # an old job's message (re-routed since)
         return tr
 
     def _extend(self, tr: Tracked, tokens: list[int], reason: str | None) -> None:
@@ -273,8 +293,10 @@ class DisaggLLM:
         if tr.detok is not None:
             tr.delta += tr.detok.finish()
         if tr.decode_rank is not None and tr.decode_rank not in self.dead:
-            self._send(tr.decode_rank, ("cancel", tr.request_id))
-        self._send(PREFILL_RANK, ("release", tr.request_id))
+            self._send(tr.decode_rank, ("cancel", tr.key))
+        self._send(PREFILL_RANK, ("release", tr.kv_key))
+        for key in [k for k, t in self.by_key.items() if t is tr]:
+            del self.by_key[key]
 
     def _output(self, tr: Tracked) -> RequestOutput:
         text = tr.detok.text if tr.detok is not None else ""
@@ -301,7 +323,7 @@ class DisaggLLM:
         tr.reroutes += 1
         if self.spec.standby:
             return self._dispatch(tr, tr.prompt_ids, tr.params, output_ids=tr.tokens)
-        self._send(PREFILL_RANK, ("release", tr.request_id))
+        self._send(PREFILL_RANK, ("release", tr.kv_key))
         left = replace(tr.params, max_tokens=tr.params.max_tokens - len(tr.tokens))
         self._dispatch(tr, tr.prompt_ids + tr.tokens, left)
 

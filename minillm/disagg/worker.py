@@ -57,7 +57,8 @@ FAULTS = ("exit_after_pull", "exit_after_tokens")
 
 @dataclass
 class Job:
-    """One request as a worker sees it. ``index``: its transfer number (message tags).
+    """One request as a worker sees it: ``request_id`` is the job's key (a request re-routed
+    gets a new one). ``index``: its transfer number (message tags).
     ``decode_rank`` None: the prefill worker runs it to the end (no decode worker is left).
     ``output_ids``: tokens generated before a re-route (a standby resume continues after them)."""
 
@@ -67,6 +68,7 @@ class Job:
     params: SamplingParams
     decode_rank: int | None
     output_ids: list[int] = field(default_factory=list)
+    kv_key: str = ""     # the prefill-side key of the prompt KV to pull (its first job's)
 
 
 @dataclass
@@ -357,9 +359,8 @@ class DecodeWorker(Worker):
         first = self.first.get(rid)
         if first is not None and first[1] is not None and rid in self.expected:
             self.expected.remove(rid)
-            self.jobs.pop(rid, None)
             self.first.pop(rid)
-            self.send(PREFILL_RANK, ("dropped", rid))
+            self.send(PREFILL_RANK, ("dropped", self.jobs.pop(rid).kv_key))
         self._adopt_ready(rid)
 
     def stats(self) -> dict:
@@ -387,7 +388,7 @@ class DecodeWorker(Worker):
         receive_all(transfer, staging_buffer(pool, blocks_for(n, pool.block_size)),
                     PREFILL_RANK, job.index)
         self.pulled[rid] = (seq_id, transfer)
-        self.send(PREFILL_RANK, ("pull", rid, self.rank, job.index,
+        self.send(PREFILL_RANK, ("pull", job.kv_key, self.rank, job.index,
                                         blocks_for(n, pool.block_size)))
         self.waiter.watch(transfer)
         self._maybe_fail("exit_after_pull")
@@ -407,7 +408,7 @@ class DecodeWorker(Worker):
         if transfer.error is None:
             scatter(self.engine.runner.pool, self.engine.blocks.tables[seq_id],
                     transfer.buffers[0])
-        self.send(PREFILL_RANK, ("ack", rid))
+        self.send(PREFILL_RANK, ("ack", self.jobs[rid].kv_key))
         self.send(ROUTER, ("received", rid, {"bytes": transfer.nbytes, "start": transfer.started,
                                            "end": transfer.finished, "error": transfer.error}))
         if transfer.error is not None:

@@ -167,3 +167,57 @@ def plot_drafter_cost(ax, costs: list[dict], colours: dict[str, str]) -> None:
                    label="plain engine, ms per token")
     ax.tick_params(axis="x", labelrotation=45)
     ax.set(ylabel="ms", title="drafter time per round (batch 1)")
+
+
+def plot_chunked(report: dict):
+    """Chunked prefill against prefill_first and decode_first (``bench chunked``). Top: the
+    CDF of the running requests' inter-token latency (log ms); the long prompts' TTFT (p50,
+    p90, max; log s); output tokens/s. Bottom: each run's steps on the virtual clock, coloured
+    by what they computed (decodes only, prompts only, both), the long prompts' arrivals
+    as ticks."""
+    runs = report["runs"]
+    colours = {r["label"]: f"C{i}" for i, r in enumerate(runs)}
+    fig = plt.figure(figsize=(15, 8))
+    grid = fig.add_gridspec(2, 3, height_ratios=[1.0, 0.8])
+    cdf, ttft, tput = (fig.add_subplot(grid[0, i]) for i in range(3))
+    timeline = fig.add_subplot(grid[1, :])
+    for r in runs:
+        q = r["itl"]["quantiles"]
+        cdf.plot([1e3 * v for v in q], [i / (len(q) - 1) for i in range(len(q))],
+                 color=colours[r["label"]], label=r["label"])
+    cdf.axhline(0.99, color="grey", lw=0.8, ls="--")
+    cdf.set_xscale("log")
+    cdf.set(xlabel="inter-token latency (ms)", ylabel="fraction of gaps",
+            title=f"ITL of the {report['config']['num_decodes']} running requests")
+    width = 0.8 / len(runs)
+    for i, r in enumerate(runs):
+        xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(3)]
+        ttft.bar(xs, [r["ttft_long"][k] for k in ("p50", "p90", "max")], width,
+                 color=colours[r["label"]], label=r["label"])
+    ttft.set_xticks(range(3), ["p50", "p90", "max"])
+    ttft.set_yscale("log")
+    ttft.set(ylabel="seconds", title=f"TTFT of the {report['config']['num_long']} long prompts")
+    bars = tput.bar([r["label"].replace(" ", "\n") for r in runs],
+                    [r["output_tok_s"] for r in runs], color=[colours[r["label"]] for r in runs])
+    tput.bar_label(bars, fmt="%.0f", fontsize=8)
+    tput.set(ylabel="output tokens / s", title="throughput over the makespan")
+    kinds = {"decodes only": "C0", "prompts only": "C3", "both": "C2"}
+    for row, r in enumerate(runs):
+        spans = {k: [] for k in kinds}
+        for s in r["timeline"]:
+            kind = "both" if s["prefill"] and s["decode"] else \
+                "prompts only" if s["prefill"] else "decodes only"
+            spans[kind].append((s["start"], s["end"] - s["start"]))
+        for kind, c in kinds.items():
+            timeline.broken_barh(spans[kind], (row - 0.4, 0.8), color=c,
+                                 label=kind if row == 0 else None)
+    arrivals = report["config"]["long_arrivals_s"]
+    timeline.vlines(arrivals, -0.5, len(runs) - 0.5, color="black", lw=0.8, ls=":",
+                    label="long prompt arrives")
+    timeline.set_yticks(range(len(runs)), [r["label"] for r in runs])
+    timeline.invert_yaxis()
+    timeline.set(xlabel="virtual clock (s)", title="steps")
+    timeline.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4)
+    cdf.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

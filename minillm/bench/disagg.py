@@ -1,0 +1,141 @@
+"""Colocated against disaggregated serving (``python -m minillm bench disagg``; chapter 07).
+
+One seeded workload (long-tailed prompt and output lengths, Poisson arrivals on the wall
+clock) is served three ways on the same cores: the colocated engine (``minillm.LLM``, every
+thread in one process, chunked prefill), and a 1P1D pair (:class:`minillm.disagg.DisaggLLM`,
+one prefill and one decode process, the threads split) sending the prompt KV whole after the
+prefill and layer by layer during it. Per run: TTFT and TPOT percentiles, the fraction of
+requests meeting both SLOs and the goodput (those requests per second of the run), output
+tokens/s; for the pairs, the KV bytes moved and per request the transfer time and the part of
+it that was exposed (the decode side had the KV that long after the prefill ended) or hidden.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from ..config import SamplingParams
+from ..course.ch04_workload import poisson_arrivals, sharegpt_like_workload
+from ..device import serving_dtype
+from .common import format_table, machine_info
+
+SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.2
+
+
+def drive(server, prompts: list[list[int]], output_lens: list[int], arrivals: list[float]
+          ) -> list[dict]:
+    """Submit request i at ``arrivals[i]`` s after the start (wall clock) to ``server`` (an
+    object with add_request / step / has_unfinished: ``minillm.LLM`` or ``DisaggLLM``) and
+    step it until all are done; per request: arrival, first token and finish times (s after
+    the start) and the output length."""
+    start, nxt = time.perf_counter(), 0
+    rec = [{"arrival": a, "first": None, "finish": None, "tokens": 0} for a in arrivals]
+    ids: dict[str, int] = {}
+    while nxt < len(prompts) or server.has_unfinished():
+        now = time.perf_counter() - start
+        while nxt < len(prompts) and arrivals[nxt] <= now:
+            params = SamplingParams(temperature=0.0, max_tokens=output_lens[nxt],
+                                    ignore_eos=True)
+            ids[server.add_request(prompts[nxt], params, request_id=str(nxt))] = nxt
+            nxt += 1
+        if not server.has_unfinished():
+            time.sleep(max(0.0, arrivals[nxt] - now))
+            continue
+        for out in server.step():
+            r, t = rec[ids[out.request_id]], time.perf_counter() - start
+            if out.token_ids and r["first"] is None:
+                r["first"] = t
+            r["tokens"] = len(out.token_ids)
+            if out.finished:
+                r["finish"] = t
+    return rec
+
+
+def summarise(rec: list[dict], slo_ttft: float, slo_tpot: float) -> dict:
+    """Percentiles of TTFT and TPOT (s), SLO attainment, goodput (req/s), tokens/s."""
+    ttft = sorted(r["first"] - r["arrival"] for r in rec)
+    tpot = sorted((r["finish"] - r["first"]) / max(1, r["tokens"] - 1) for r in rec)
+    ok = sum(r["first"] - r["arrival"] <= slo_ttft and
+             (r["finish"] - r["first"]) / max(1, r["tokens"] - 1) <= slo_tpot for r in rec)
+    span = max(r["finish"] for r in rec) - min(r["arrival"] for r in rec)
+
+    def pct(xs, q):
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return {"ttft_p50": pct(ttft, 0.5), "ttft_p90": pct(ttft, 0.9), "ttft_mean":
+            statistics.fmean(ttft), "tpot_p50": pct(tpot, 0.5), "tpot_p90": pct(tpot, 0.9),
+            "tpot_mean": statistics.fmean(tpot), "attainment": ok / len(rec),
+            "goodput": ok / span, "output_tok_s": sum(r["tokens"] for r in rec) / span,
+            "makespan": span}
+
+
+def transfer_summary(transfers: dict[str, dict]) -> dict:
+    """KV bytes moved and per-request transfer / exposed / hidden seconds (means)."""
+    rows = []
+    for t in transfers.values():
+        sent, got = t.get("sent"), t.get("received")
+        if not sent or not got or sent["error"] or got["error"] or sent["kv_ready"] is None:
+            continue
+        total = got["end"] - min(sent["start"], sent["kv_ready"])
+        exposed = max(0.0, got["end"] - sent["kv_ready"])
+        rows.append((got["bytes"], total, exposed))
+    if not rows:
+        return {"requests": 0}
+    return {"requests": len(rows), "kv_bytes": sum(r[0] for r in rows),
+            "transfer_s_mean": statistics.fmean(r[1] for r in rows),
+            "exposed_s_mean": statistics.fmean(r[2] for r in rows),
+            "hidden_fraction": 1 - sum(r[2] for r in rows) / max(1e-9, sum(r[1] for r in rows))}
+
+
+def run_disagg_bench(model: str = "smollm2-135m", num_requests: int = 16, rate: float = 1.0,
+                     prompt_median: int = 400, prompt_max: int = 1200, output_median: int = 32,
+                     dtype=None, seed: int = 0, slo_ttft: float = SLO_TTFT_S,
+                     slo_tpot: float = SLO_TPOT_S, random_weights: bool = False,
+                     **engine_options) -> dict:
+    """Serve one workload colocated and by 1P1D (whole and layerwise); see the module doc."""
+    from ..checkpoint.loader import smollm2_tokenizer
+    from ..disagg import DisaggLLM
+    from ..engine.llm import LLM
+
+    threads = torch.get_num_threads()
+    dtype, reason = serving_dtype(dtype, torch.device("cpu"))
+    work = sharegpt_like_workload(smollm2_tokenizer(), num_requests, prompt_median,
+                                  output_median, prompt_max=prompt_max, output_max=128,
+                                  seed=seed)
+    arrivals = poisson_arrivals(num_requests, rate, seed)
+    opts = {"max_num_seqs": 32, "max_num_batched_tokens": 512, **engine_options}
+    load = [os.getloadavg()[0]]
+    report = {"machine": machine_info(torch.device("cpu"), threads), "dtype": str(dtype),
+              "dtype_reason": reason, "workload": {"num_requests": num_requests, "rate": rate,
+              "prompt_lens": [len(p) for p in work.prompts], "output_lens": work.output_lens},
+              "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot}, "options": opts, "runs": {}}
+    llm = LLM(model, dtype=dtype, random_weights=random_weights, **opts)
+    drive(llm, work.prompts[:2], [4, 4], [0.0, 0.0])                  # warm-up
+    rec = drive(llm, work.prompts, work.output_lens, arrivals)
+    report["runs"]["colocated"] = summarise(rec, slo_ttft, slo_tpot)
+    del llm
+    for name, layerwise in (("1P1D whole", False), ("1P1D layerwise", True)):
+        with DisaggLLM(model, num_decode=1, layerwise=layerwise, dtype=dtype,
+                       random_weights=random_weights, threads=max(1, threads // 2),
+                       **opts) as pair:
+            drive(pair, work.prompts[:2], [4, 4], [0.0, 0.0])
+            pair.transfers.clear()
+            rec = drive(pair, work.prompts, work.output_lens, arrivals)
+            report["runs"][name] = {**summarise(rec, slo_ttft, slo_tpot),
+                                    **transfer_summary(pair.transfers)}
+        load.append(os.getloadavg()[0])
+    report["load_average"] = load
+    return report
+
+
+def disagg_table(report: dict) -> str:
+    rows = [(name, r["ttft_p50"], r["ttft_p90"], r["tpot_p50"] * 1e3, r["tpot_p90"] * 1e3,
+             r["attainment"], r["goodput"], r["output_tok_s"], r.get("kv_bytes", 0) / 2**20,
+             r.get("transfer_s_mean", 0) * 1e3, r.get("exposed_s_mean", 0) * 1e3)
+            for name, r in report["runs"].items()]
+    cols = [("run", "s"), ("TTFT p50 s", ".2f"), ("p90", ".2f"), ("TPOT p50 ms", ".1f"),
+            ("p90", ".1f"), ("SLO met", ".2f"), ("goodput req/s", ".2f"), ("tok/s", ".1f"),
+            ("KV MiB", ".1f"), ("transfer ms", ".1f"), ("exposed ms", ".1f")]
+    return format_table(cols, rows)
