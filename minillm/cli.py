@@ -378,11 +378,37 @@ def cmd_bench_chunked(args: argparse.Namespace) -> int:
     return write_report(args, report, chunked_table(report), plot_chunked)
 
 
+def add_bench_disagg(sub) -> None:
+    p = bench_parser(sub, "disagg", "colocated serving vs a 1P1D disaggregated pair (KV whole "
+                                    "and layer by layer) on one Poisson workload")
+    p.add_argument("--num-requests", type=int, default=16, help="(default: %(default)s)")
+    p.add_argument("--rate", type=float, default=1.0, help="requests/s (default: %(default)s)")
+    p.add_argument("--prompt-median", type=int, default=400, help="(default: %(default)s)")
+    p.add_argument("--prompt-max", type=int, default=1200, help="(default: %(default)s)")
+    p.add_argument("--output-median", type=int, default=32, help="(default: %(default)s)")
+    p.add_argument("--dtype", default=None, help="default: what minillm.LLM picks")
+    p.set_defaults(func=cmd_bench_disagg)
+
+
+def cmd_bench_disagg(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench.disagg import disagg_table, run_disagg_bench
+    from .viz.bench import plot_disagg
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = run_disagg_bench(args.model, args.num_requests, args.rate, args.prompt_median,
+                              args.prompt_max, args.output_median, args.dtype)
+    return write_report(args, report, disagg_table(report), plot_disagg)
+
+
 #: ``bench`` subcommands.
 BENCH_COMMANDS: dict[str, AddParser] = {"decode": add_bench_decode,
                                         "throughput": add_bench_throughput,
                                         "quant": add_bench_quant, "spec": add_bench_spec,
-                                        "chunked": add_bench_chunked}
+                                        "chunked": add_bench_chunked,
+                                        "disagg": add_bench_disagg}
 
 
 def add_bench(sub) -> None:

@@ -221,3 +221,34 @@ def plot_chunked(report: dict):
     cdf.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def plot_disagg(report: dict):
+    """Colocated vs 1P1D: TTFT and TPOT (p50 bars, p90 ticks), goodput, and per pair the KV
+    transfer time split into hidden and exposed."""
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    names = list(runs)
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.4))
+    for ax, what, scale, unit in ((axes[0], "ttft", 1, "s"), (axes[1], "tpot", 1e3, "ms")):
+        p50 = [runs[n][f"{what}_p50"] * scale for n in names]
+        p90 = [runs[n][f"{what}_p90"] * scale for n in names]
+        ax.bar(names, p50, color="#4c72b0", label="p50")
+        ax.scatter(names, p90, color="black", marker="_", s=400, label="p90")
+        ax.set_title(f"{what.upper()} ({unit})")
+        ax.legend(fontsize=8)
+    axes[2].bar(names, [runs[n]["goodput"] for n in names], color="#55a868")
+    axes[2].set_title(f"goodput (req/s meeting TTFT <= {report['slo']['ttft_s']} s, "
+                      f"TPOT <= {report['slo']['tpot_s']} s)", fontsize=9)
+    pairs = [n for n in names if runs[n].get("requests")]
+    exposed = [runs[n]["exposed_s_mean"] * 1e3 for n in pairs]
+    hidden = [(runs[n]["transfer_s_mean"] - runs[n]["exposed_s_mean"]) * 1e3 for n in pairs]
+    axes[3].bar(pairs, exposed, color="#c44e52", label="exposed")
+    axes[3].bar(pairs, hidden, bottom=exposed, color="#8172b2", label="hidden")
+    axes[3].set_title("KV transfer per request (ms)")
+    axes[3].legend(fontsize=8)
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8, rotation=15)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,34 @@
+"""bench disagg's arithmetic on hand-made records (the run itself is the benchmark's)."""
+from __future__ import annotations
+
+import pytest
+
+from minillm.bench.disagg import summarise, transfer_summary
+from minillm.cli import build_parser
+
+
+def test_summary_counts_only_requests_meeting_both_slos():
+    rec = [{"arrival": 0.0, "first": 0.5, "finish": 1.5, "tokens": 11},    # TPOT 0.1: ok
+           {"arrival": 1.0, "first": 4.0, "finish": 5.0, "tokens": 11},    # TTFT 3 s: late
+           {"arrival": 2.0, "first": 2.2, "finish": 8.2, "tokens": 11}]    # TPOT 0.6: slow
+    s = summarise(rec, slo_ttft=2.0, slo_tpot=0.2)
+    assert s["attainment"] == pytest.approx(1 / 3)
+    assert s["goodput"] == pytest.approx(1 / 8.2)
+    assert s["ttft_mean"] == pytest.approx((0.5 + 3.0 + 0.2) / 3)
+    assert s["output_tok_s"] == pytest.approx(33 / 8.2)
+
+
+def test_transfer_time_splits_into_exposed_and_hidden():
+    t = {"a": {"sent": {"start": 1.0, "kv_ready": 1.8, "error": None},
+               "received": {"bytes": 100, "end": 2.0, "error": None}},
+         "b": {"sent": {"start": 3.0, "kv_ready": 3.0, "error": None},
+               "received": {"bytes": 50, "end": 3.5, "error": None}}}
+    s = transfer_summary(t)
+    assert s["kv_bytes"] == 150
+    assert s["exposed_s_mean"] == pytest.approx((0.2 + 0.5) / 2)
+    assert s["hidden_fraction"] == pytest.approx(1 - 0.7 / 1.5)
+
+
+def test_the_cli_takes_the_options():
+    args = build_parser().parse_args(["bench", "disagg", "--num-requests", "4", "--rate", "2"])
+    assert args.num_requests == 4 and args.rate == 2.0
