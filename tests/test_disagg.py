@@ -42,6 +42,9 @@ def assert_no_block_held(llm: DisaggLLM) -> None:
         time.sleep(0.1)
     for rank, s in stats.items():
         assert s["num_used"] == 0 and s["held"] == 0, f"rank {rank} keeps blocks: {s}"
+        left = [k for k in ("pulls", "kv_ready", "running", "expected", "pulled", "arrived",
+                            "first") if s.get(k)]
+        assert not left, f"rank {rank} still tracks {left}: {s}"
 
 
 @pytest.mark.parametrize("layerwise", [True, False])

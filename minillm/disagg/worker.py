@@ -121,6 +121,7 @@ class Worker:
         self.jobs: dict[str, Job] = {}
         self.waiter = Waiter(spec.timeout_s)
         self.fault = spec.faults.get(rank)
+        self.deferred: list[tuple] = []    # messages read during a forward pass
 
     def send(self, dst: int, msg: tuple) -> None:
         self.links[self.rank, dst].put(msg)
@@ -139,6 +140,11 @@ class Worker:
             self.work()
 
     def _drain(self, block: bool) -> list:
+        """The messages read during a forward pass, then every message waiting."""
+        msgs, self.deferred = self.deferred + self._read(block), []
+        return msgs
+
+    def _read(self, block: bool) -> list:
         """Every message waiting on the incoming queues (waiting up to 5 ms if ``block``)."""
         msgs = []
         for i, q in enumerate(self.incoming):
@@ -185,6 +191,7 @@ class PrefillWorker(Worker):
         self.pulls: dict[str, tuple[int, int]] = {}   # pulled, not yet sent: (rank, index)
         self.kv_ready: dict[str, float] = {}      # prompt KV complete since (perf_counter)
         self.streaming: list[tuple[str, Transfer, list[int]]] = []
+        self.completing: list[tuple[str, list[int]]] = []    # this step's, not yet pulled
         self.sending: dict[str, Transfer] = {}
         self.sent_tokens: dict[str, int] = {}
         self.over: OrderedDict[str, None] = OrderedDict()   # released requests (recent ones)
@@ -253,13 +260,26 @@ class PrefillWorker(Worker):
 
     # ---- layer by layer: the step that completes a pulled prompt sends it as it computes ------
     def _on_plan(self, engine: LLMEngine, plan: SchedulerOutput) -> None:
-        self.streaming = []
+        """Note the prompts this step completes: their layers leave during the forward."""
+        self.streaming, self.completing = [], []
         if not self.spec.layerwise:
             return
-        for w in plan.seqs:
-            rid = next((r for r, s in self.seq_of.items() if s == w.seq.seq_id), None)
-            if rid is not None and w.completes and rid in self.pulls:
-                self.streaming.append((rid, self._new_transfer(rid), self._blocks(rid)))
+        owner = {s: r for r, s in self.seq_of.items()}
+        self.completing = [(owner[w.seq.seq_id], self._blocks(owner[w.seq.seq_id]))
+                           for w in plan.seqs if w.completes and w.seq.seq_id in owner]
+        self._stream_pulled(0)
+
+    def _stream_pulled(self, done_layers: int) -> None:
+        """Start streaming every completing prompt that has been pulled by now, catching up
+        on its first ``done_layers`` layers (a pull may arrive while the forward runs)."""
+        for rid, blocks in list(self.completing):
+            if rid in self.pulls:
+                self.completing.remove((rid, blocks))
+                transfer = self._new_transfer(rid)
+                self.streaming.append((rid, transfer, blocks))
+                rank, index, _ = self.pulls[rid]
+                for layer in range(done_layers):
+                    send_layer(transfer, self.engine.runner.pool, blocks, layer, rank, index)
 
     def _new_transfer(self, rid: str) -> Transfer:
         self.sending[rid] = Transfer(rid)
@@ -267,6 +287,13 @@ class PrefillWorker(Worker):
 
     def _layer_hook(self, layer: int):
         def hook(module, args, output) -> None:
+            if self.completing:               # pulls that came in since the step began
+                for msg in self._read(block=False):
+                    if msg[0] == "pull":
+                        self.handle(msg)
+                    else:
+                        self.deferred.append(msg)
+                self._stream_pulled(layer)
             for rid, transfer, blocks in self.streaming:
                 rank, index, _ = self.pulls[rid]
                 send_layer(transfer, self.engine.runner.pool, blocks, layer, rank, index)
@@ -349,9 +376,12 @@ class DecodeWorker(Worker):
             self.first[rid] = (msg[2], msg[3])
             self._settle(rid)
         elif kind == "cancel":
-            self.first[rid] = (None, "abort")
-            self.engine.abort(rid)
-            self._settle(rid)
+            if rid in self.expected or rid in self.pulled or rid in self.arrived:
+                self.first[rid] = (None, "abort")     # not decoding yet: drop it on arrival
+                self._settle(rid)
+            if self.engine.abort(rid):                # decoding: no output will come
+                self.jobs.pop(rid, None)
+                self.sent_tokens.pop(rid, None)
 
     def _settle(self, rid: str) -> None:
         """Drop a request that ended before it was pulled; adopt one whose KV and first token
