@@ -63,7 +63,11 @@ class DisaggLLM:
     prompt's KV until its request ends, so a request whose decode worker dies resumes without
     recomputing its prompt. ``threads`` per worker (default: the cores split between them).
     ``faults`` {rank: (name, arg)} makes a decode worker exit for real at a point (tests).
-    ``engine_options`` are :class:`~minillm.engine.EngineConfig` fields, for every worker."""
+    ``engine_options`` are :class:`~minillm.engine.EngineConfig` fields, for every worker.
+
+    The workers run on the CPU and move KV over gloo. (NCCL is not used: its point-to-point
+    messages carry no tags, so the per-layer messages of requests in flight together would
+    need another way to match them.)"""
 
     def __init__(self, model: str = "smollm2-135m", *, num_decode: int = 1,
                  layerwise: bool = True, standby: bool = False, dtype=None, seed: int = 0,

@@ -98,7 +98,7 @@ def worker_main(rank: int, spec: WorkerSpec, links: dict) -> None:
                                 world_size=spec.world_size,
                                 timeout=timedelta(seconds=spec.timeout_s))
         from ..checkpoint.loader import load_model
-        model, tok = load_model(spec.model, dtype=spec.dtype, seed=spec.seed,
+        model, tok = load_model(spec.model, device="cpu", dtype=spec.dtype, seed=spec.seed,
                                 random_weights=spec.random_weights)
         engine = LLMEngine(model, tok, EngineConfig(**spec.engine_options))
         role = PrefillWorker if rank == PREFILL_RANK else DecodeWorker
