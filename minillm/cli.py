@@ -403,12 +403,37 @@ def cmd_bench_disagg(args: argparse.Namespace) -> int:
     return write_report(args, report, disagg_table(report), plot_disagg)
 
 
+def add_bench_prefix(sub) -> None:
+    p = bench_parser(sub, "prefix", "prefix caching (hash, radix) on a shared system prompt, "
+                                    "multi-turn chat and pool sizes")
+    p.add_argument("--num-requests", type=int, default=32, help="(default: %(default)s)")
+    p.add_argument("--system-tokens", type=int, default=1000, help="(default: %(default)s)")
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0, 8.0],
+                   help="requests/s (default: %(default)s)")
+    p.add_argument("--dtype", default=None, help="default: what minillm.LLM picks")
+    p.set_defaults(func=cmd_bench_prefix)
+
+
+def cmd_bench_prefix(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench.prefix import prefix_table, run_prefix_bench
+    from .viz.bench import plot_prefix
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = run_prefix_bench(args.model, args.num_requests, args.system_tokens,
+                              tuple(args.rates), dtype=args.dtype)
+    return write_report(args, report, prefix_table(report), plot_prefix)
+
+
 #: ``bench`` subcommands.
 BENCH_COMMANDS: dict[str, AddParser] = {"decode": add_bench_decode,
                                         "throughput": add_bench_throughput,
                                         "quant": add_bench_quant, "spec": add_bench_spec,
                                         "chunked": add_bench_chunked,
-                                        "disagg": add_bench_disagg}
+                                        "disagg": add_bench_disagg,
+                                        "prefix": add_bench_prefix}
 
 
 def add_bench(sub) -> None:

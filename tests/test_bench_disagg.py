@@ -32,3 +32,17 @@ def test_transfer_time_splits_into_exposed_and_hidden():
 def test_the_cli_takes_the_options():
     args = build_parser().parse_args(["bench", "disagg", "--num-requests", "4", "--rate", "2"])
     assert args.num_requests == 4 and args.rate == 2.0
+
+
+def test_bench_prefix_workload_shares_its_system_prompts():
+    from minillm.bench.prefix import shared_prompt_workload
+    from minillm.checkpoint.loader import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    work = shared_prompt_workload(tok, 6, 120, num_systems=2)
+    head = [len(p) for p in work.prompts]
+    assert all(n > 120 for n in head)
+    same = [p[:100] for p in work.prompts]
+    assert same[0] == same[2] == same[4] and same[1] == same[3] and same[0] != same[1]
+    args = build_parser().parse_args(["bench", "prefix", "--rates", "1", "4"])
+    assert args.rates == [1.0, 4.0]

@@ -1,8 +1,13 @@
 """KV caches (core), behind one interface (:class:`Cache`): the contiguous one, bounded ones
 (sliding window, attention sinks, H2O), and for the serving engine the block manager (pure
-Python: block tables, reference counts, copy-on-write, swap) and the paged KV pool (``pool``)."""
+Python: block tables, reference counts, copy-on-write, swap, holds), the paged KV pool
+(``pool``) and the prefix caches it can keep blocks in (``prefix``: hashed blocks; ``radix``:
+SGLang's radix tree)."""
 from .base import Cache
 from .bounded import H2OCache, SinkCache, SlidingWindowCache
 from .contiguous import KVCache
+from .prefix import HashPrefixCache
+from .radix import RadixPrefixCache, TokenRadixTree
 
-__all__ = ["Cache", "H2OCache", "KVCache", "SinkCache", "SlidingWindowCache"]
+__all__ = ["Cache", "H2OCache", "HashPrefixCache", "KVCache", "RadixPrefixCache", "SinkCache",
+           "SlidingWindowCache", "TokenRadixTree"]

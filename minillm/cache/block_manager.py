@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -40,6 +41,7 @@ class BlockPool:
     """Free list and reference counts of one pool of ``num_blocks`` blocks."""
 
     num_blocks: int
+    cache: Any = None     # a prefix cache: its unreferenced blocks wait there, not on the list
     ref: list[int] = field(init=False)
     free: deque[int] = field(init=False)
 
@@ -48,30 +50,39 @@ class BlockPool:
         self.free = deque(range(self.num_blocks))
 
     def take(self) -> int:
-        if not self.free:
+        """A free block, else the least recently used unreferenced cached block."""
+        if self.free:
+            block = self.free.popleft()
+        elif self.cache is not None and (block := self.cache.evict()) is not None:
+            pass
+        else:
             raise NoFreeBlocksError(f"all {self.num_blocks} blocks are in use")
-        block = self.free.popleft()
         self.ref[block] = 1
         return block
 
     def share(self, block: int) -> None:
+        if self.ref[block] == 0 and self.cache is not None:
+            self.cache.acquire(block)        # a cached block gets a reader again
         self.ref[block] += 1
 
     def release(self, block: int) -> None:
         self.ref[block] -= 1
         if self.ref[block] == 0:
-            self.free.append(block)
+            if self.cache is not None and block in self.cache:
+                self.cache.release(block)    # kept with its KV until evicted
+            else:
+                self.free.append(block)
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + (self.cache.num_evictable if self.cache is not None else 0)
 
 
 class BlockManager:
     """Block tables for sequences (keyed by integer id) over a device pool and a CPU swap pool."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
-                 watermark: float = 0.01) -> None:
+                 watermark: float = 0.01, prefix_cache=None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -79,7 +90,10 @@ class BlockManager:
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.block_size = block_size
-        self.device = BlockPool(num_blocks)
+        self.device = BlockPool(num_blocks, prefix_cache)
+        self.prefix = prefix_cache                  # None: no prefix caching
+        self.cached_blocks: dict[int, int] = {}     # seq id -> its leading blocks registered
+        self.prefix_queried = self.prefix_hit = 0   # prompt tokens looked up / found
         self.cpu = BlockPool(num_cpu_blocks)
         self.watermark_blocks = int(watermark * num_blocks)
         self.tables: dict[int, list[int]] = {}      # seq id -> device block ids
@@ -127,6 +141,52 @@ class BlockManager:
         table, filled = self.tables[seq_id], self.filled[seq_id]
         grow = max(0, blocks_for(num_tokens, self.block_size) - len(table))
         return grow + len(self._shared_blocks_written(table, filled, num_tokens))
+
+    # ---- prefix caching --------------------------------------------------------------------
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks holding the KV of the start of ``token_ids``: whole blocks only, and
+        never the last token (its logits must be computed)."""
+        if self.prefix is None:
+            return []
+        usable = (len(token_ids) - 1) // self.block_size * self.block_size
+        return self.prefix.match(token_ids[:usable])
+
+    def allocate_cached(self, seq_id: int, token_ids: list[int], num_tokens: int) -> int:
+        """Like ``allocate(seq_id, num_tokens)``, but the blocks of the longest cached prefix of
+        ``token_ids`` are shared, not new; returns how many tokens they cover (computed)."""
+        if seq_id in self.tables or seq_id in self.cpu_tables:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        hit = self.match_prefix(token_ids)
+        if self.cached_need(token_ids, num_tokens) > self.num_free:
+            raise NoFreeBlocksError(f"need {self.cached_need(token_ids, num_tokens)} blocks, "
+                                    f"{self.num_free} free")
+        for block in hit:
+            self.device.share(block)
+        table = hit + [self.device.take()
+                       for _ in range(blocks_for(num_tokens, self.block_size) - len(hit))]
+        self.tables[seq_id] = table
+        self.filled[seq_id] = max(num_tokens, len(hit) * self.block_size)
+        self._fill_from(seq_id, 0)
+        self.cached_blocks[seq_id] = len(hit)
+        self.prefix_queried += len(token_ids)
+        self.prefix_hit += len(hit) * self.block_size
+        return len(hit) * self.block_size
+
+    def cached_need(self, token_ids: list[int], num_tokens: int) -> int:
+        """Free blocks ``allocate_cached`` would use: new ones, and the cached ones it reuses
+        that nobody references (they stop being evictable)."""
+        hit = self.match_prefix(token_ids)
+        idle = sum(self.device.ref[b] == 0 for b in hit)
+        return max(0, blocks_for(num_tokens, self.block_size) - len(hit)) + idle
+
+    def cache_computed(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
+        """Register the sequence's full blocks whose ``num_computed`` tokens have K/V now."""
+        if self.prefix is None or seq_id not in self.tables:
+            return
+        full = min(num_computed // self.block_size, len(self.tables[seq_id]))
+        if full > self.cached_blocks.get(seq_id, 0):
+            self.prefix.insert(token_ids[:full * self.block_size], self.tables[seq_id][:full])
+            self.cached_blocks[seq_id] = full
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate(self, seq_id: int, num_tokens: int, reserve_tokens: int | None = None) -> None:
@@ -217,6 +277,7 @@ class BlockManager:
             self.device.share(block)
         self.tables[child_id] = list(table)
         self.filled[child_id] = self.filled[parent_id]
+        self.cached_blocks[child_id] = self.cached_blocks.get(parent_id, 0)
 
     def hold(self, seq_id: int) -> None:
         """Keep the sequence's device blocks when it is freed, until ``release(seq_id)``."""
@@ -243,6 +304,7 @@ class BlockManager:
         for block in self.cpu_tables.pop(seq_id, []):
             self.cpu.release(block)
         self.filled.pop(seq_id, None)
+        self.cached_blocks.pop(seq_id, None)
 
     # ---- swapping ---------------------------------------------------------------------------
     def can_swap_out(self, seq_ids: list[int]) -> bool:
@@ -290,7 +352,11 @@ class BlockManager:
             counts = Counter(b for t in tables.values() for b in t)
             for block in range(pool.num_blocks):
                 assert pool.ref[block] == counts.get(block, 0), f"block {block} refcount wrong"
-            assert sorted(pool.free) == [b for b in range(pool.num_blocks) if pool.ref[b] == 0]
+            idle = [b for b in range(pool.num_blocks) if pool.ref[b] == 0]
+            if pool.cache is not None:
+                assert pool.cache.num_evictable == sum(b in pool.cache for b in idle)
+                idle = [b for b in idle if b not in pool.cache]
+            assert sorted(pool.free) == idle
         for s, n in self.filled.items():
             table = self.tables.get(s, self.cpu_tables.get(s))
             assert table is not None and len(table) >= blocks_for(n, self.block_size)

@@ -35,6 +35,16 @@ from .sequence import Request, Sequence, Status
 from .speculation import SpecInput, Speculator, tree_inputs
 
 GiB = 1 << 30
+PREFIX_CACHES = ("hash", "radix")
+
+
+def make_prefix_cache(name: str, block_size: int):
+    """The prefix cache called ``name`` (see ``EngineConfig.prefix_cache``)."""
+    if name == "radix":
+        from ..cache.radix import RadixPrefixCache
+        return RadixPrefixCache(block_size)
+    from ..cache.prefix import HashPrefixCache
+    return HashPrefixCache(block_size)
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,10 @@ class EngineConfig(SchedulerConfig):
     parameters, in place) where that applies: float32 on the CPU. ``trace_steps``: how many
     recent :class:`StepRecord` s ``LLMEngine.trace`` keeps. ``static_buffers`` (None: on CUDA)
     keeps each step's inputs in tensors allocated once, ready for CUDA graph capture.
+    ``enable_prefix_caching`` (chapter 08) keeps computed full blocks and reuses them for any
+    request whose prompt starts with the same tokens, found by ``prefix_cache``: "hash" (vLLM's
+    hash chain over blocks) or "radix" (SGLang's radix tree); unreferenced cached blocks are
+    evicted least recently used first when the pool runs out.
     """
 
     block_size: int = 16
@@ -61,6 +75,8 @@ class EngineConfig(SchedulerConfig):
     pack_linears: bool | None = None
     trace_steps: int = 10_000
     static_buffers: bool | None = None
+    enable_prefix_caching: bool = False
+    prefix_cache: str = "hash"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,6 +91,9 @@ class EngineConfig(SchedulerConfig):
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.trace_steps < 1:
             raise ValueError(f"trace_steps must be >= 1, got {self.trace_steps}")
+        if self.prefix_cache not in PREFIX_CACHES:
+            raise ValueError(f"prefix_cache must be one of {PREFIX_CACHES}, got "
+                             f"{self.prefix_cache!r}")
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(**{f.name: getattr(self, f.name) for f in fields(SchedulerConfig)})
@@ -108,7 +127,10 @@ class LLMEngine:
             int(config.swap_space * GiB) // block_bytes(model.cfg, config.block_size, model.dtype)
         backend = config.attention_backend or ("triton" if model.device.type == "cuda"
                                                else "sdpa")
-        self.blocks = BlockManager(num_blocks, config.block_size, num_cpu, config.watermark)
+        cache = make_prefix_cache(config.prefix_cache, config.block_size) \
+            if config.enable_prefix_caching else None
+        self.blocks = BlockManager(num_blocks, config.block_size, num_cpu, config.watermark,
+                                   cache)
         self.scheduler = Scheduler(config.scheduler_config(), self.blocks, model.cfg.max_seq_len)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu, backend,
                                   config.pack_linears, config.max_num_batched_tokens,
@@ -130,6 +152,9 @@ class LLMEngine:
         """Speculate from now on (before any request is added)."""
         config = self.config
         need = config.max_num_seqs * (1 + speculator.max_draft_tokens)
+        if config.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching cannot be combined with speculative decoding "
+                             "yet: rejected draft tokens would be cached")
         if config.max_num_batched_tokens < need:
             raise ValueError(f"speculative decoding needs max_num_batched_tokens >= "
                              f"max_num_seqs x (1 + draft tokens) = {config.max_num_seqs} x "
@@ -310,6 +335,7 @@ class LLMEngine:
         done = {w.seq.seq_id for w in result.scheduled if w.completes}
         for w in result.scheduled:
             w.seq.num_computed += w.num_tokens
+            self.blocks.cache_computed(w.seq.seq_id, w.seq.token_ids, w.seq.num_computed)
         ready = [r for r in plan.requests if r.seqs and all(s.seq_id in done for s in r.seqs)]
         last = {sid: rows.stop - 1 for sid, rows in result.logit_rows.items()
                 if sid in done}

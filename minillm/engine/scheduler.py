@@ -279,16 +279,24 @@ class Scheduler:
         """Admit waiting requests in order while sequences, tokens and blocks allow. Without
         chunked prefill the first request of an otherwise empty step always gets in."""
         for req in self._sorted(self.waiting):
+            cached = self._uses_prefix_cache(req)
+            for s in req.seqs if cached else ():   # a prefix hit is computed already
+                s.num_computed = len(self.blocks.match_prefix(s.token_ids)) * \
+                    self.blocks.block_size
             plan = self._prefill_plan(req, budget)
             if not plan and not out.requests:
                 plan = [(s, s.num_uncomputed) for s in req.seqs]
-            if not plan or not self._seq_room(req):
-                break
             slots = self._admission_tokens(req, dict((s.seq_id, n) for s, n in plan))
-            if not self.blocks.can_allocate(*slots):
+            if not plan or not self._seq_room(req) or not self._can_admit(req, slots, cached):
+                for s in req.seqs if cached else ():
+                    s.num_computed = 0
                 break
             reserve = self.config.admission == "reserve"
             for s, n in zip(req.seqs, slots):
+                if cached:
+                    req.metrics.cached_tokens += self.blocks.allocate_cached(
+                        s.seq_id, s.token_ids, n)
+                    continue
                 self.blocks.allocate(s.seq_id, s.num_computed if reserve else n,
                                      reserve_tokens=n if reserve else None)
             for s, n in plan:
@@ -300,6 +308,18 @@ class Scheduler:
             self.running.append(req)
             out.requests.append(req)
             budget -= sum(n for _, n in plan)
+
+    def _uses_prefix_cache(self, req: Request) -> bool:
+        """Prefix caching applies to paged admission of requests that need no prompt
+        logprobs (those need every prompt row computed)."""
+        return self.blocks.prefix is not None and self.config.admission == "paged" and \
+            req.params.prompt_logprobs is None
+
+    def _can_admit(self, req: Request, slots: list[int], cached: bool) -> bool:
+        if not cached:
+            return self.blocks.can_allocate(*slots)
+        need = sum(self.blocks.cached_need(s.token_ids, n) for s, n in zip(req.seqs, slots))
+        return self.blocks.num_free - need >= self.blocks.watermark_blocks
 
     def _admission_tokens(self, req: Request, plan: dict[int, int]) -> list[int]:
         """Slots each sequence needs on admission: what it computes now (``plan``: seq id ->

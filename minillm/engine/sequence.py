@@ -158,6 +158,7 @@ class Metrics:
     first_token: float | None = None
     finished: float | None = None
     num_preemptions: int = 0
+    cached_tokens: int = 0      # prompt tokens whose KV came from the prefix cache
 
     @property
     def ttft(self) -> float | None:

@@ -252,3 +252,38 @@ def plot_disagg(report: dict):
         ax.tick_params(axis="x", labelsize=8, rotation=15)
     fig.tight_layout()
     return fig
+
+
+def plot_prefix(report: dict):
+    """Prefix caching: TTFT on the shared prompt per cache kind, TTFT and hit rate against
+    the pool size, multi-turn hit rates."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    shared = report["shared_prompt"]
+    rates = list(shared)
+    for j, (kind, colour) in enumerate((("none", "#c44e52"), ("hash", "#4c72b0"),
+                                         ("radix", "#55a868"))):
+        axes[0].bar([i + 0.27 * (j - 1) for i in range(len(rates))],
+                    [shared[r][kind]["ttft_mean"] * 1e3 for r in rates], 0.27, color=colour,
+                    label=kind)
+    axes[0].set_xticks(range(len(rates)), [f"{r} req/s" for r in rates])
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("shared system prompt: mean TTFT (ms)")
+    sizes = report["cache_size"]
+    n = [int(k) for k in sizes]
+    ax = axes[1]
+    ax.plot(n, [r["ttft_mean"] * 1e3 for r in sizes.values()], "o-", label="TTFT ms")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV pool blocks")
+    ax.set_ylabel("mean TTFT (ms)")
+    twin = ax.twinx()
+    twin.plot(n, [r["hit_rate"] for r in sizes.values()], "s--", color="#dd8452")
+    twin.set_ylabel("hit rate")
+    ax.set_title("hash cache: TTFT and hit rate vs pool size")
+    turns = report["multi_turn"]
+    axes[2].bar(list(turns), [r["hit_rate"] for r in turns.values()], color="#8172b2")
+    axes[2].set_title("multi-turn chat: prompt tokens found in the cache")
+    fig.tight_layout()
+    return fig
