@@ -378,6 +378,13 @@ def cmd_bench_chunked(args: argparse.Namespace) -> int:
     return write_report(args, report, chunked_table(report), plot_chunked)
 
 
+def use_threads(args: argparse.Namespace) -> None:
+    """--threads for benchmarks that run on this process's torch threads (CPU only)."""
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+
+
 def add_bench_disagg(sub) -> None:
     p = bench_parser(sub, "disagg", "colocated serving vs a 1P1D disaggregated pair (KV whole "
                                     "and layer by layer) on one Poisson workload")
@@ -391,13 +398,10 @@ def add_bench_disagg(sub) -> None:
 
 
 def cmd_bench_disagg(args: argparse.Namespace) -> int:
-    import torch
-
     from .bench.disagg import disagg_table, run_disagg_bench
     from .viz.bench import plot_disagg
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args)
     report = run_disagg_bench(args.model, args.num_requests, args.rate, args.prompt_median,
                               args.prompt_max, args.output_median, args.dtype)
     return write_report(args, report, disagg_table(report), plot_disagg)
@@ -415,13 +419,10 @@ def add_bench_prefix(sub) -> None:
 
 
 def cmd_bench_prefix(args: argparse.Namespace) -> int:
-    import torch
-
     from .bench.prefix import prefix_table, run_prefix_bench
     from .viz.bench import plot_prefix
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args)
     report = run_prefix_bench(args.model, args.num_requests, args.system_tokens,
                               tuple(args.rates), dtype=args.dtype)
     return write_report(args, report, prefix_table(report), plot_prefix)

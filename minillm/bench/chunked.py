@@ -52,7 +52,7 @@ from ..config import SamplingParams
 from ..device import resolve_device, serving_dtype
 from ..engine import EngineConfig, LLMEngine
 from ..evaluate import sample_ids
-from .common import dtype_name, format_table, machine_info
+from .common import dtype_name, format_table, machine_info, percentile
 
 BUDGETS = (256, 512)           # chunked prefill's token budgets per step
 POLICIES = ("prefill_first", "decode_first", "chunked")
@@ -63,20 +63,6 @@ INSTRUCTION = "Read the following text carefully, then continue it in the same s
 
 
 # ----------------------------------------------------------------------------- statistics
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (q in [0, 100]) of ``values``, linear between the two closest
-    ranks (numpy's default method)."""
-    if not values:
-        raise ValueError("values must not be empty")
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
 
 def inter_token_latencies(token_times: Sequence[float]) -> list[float]:
     """Gaps (s) between consecutive tokens of one request, from the times its tokens were

@@ -23,7 +23,7 @@ import torch
 from ..course.ch04_workload import poisson_arrivals, serve
 from ..engine import EngineConfig, LLMEngine
 from ..evaluate import sample_text
-from .common import format_table, machine_info
+from .common import format_table, machine_info, percentile
 from .throughput import Workload
 
 QUESTIONS = ["What is the main idea?", "Summarise the second sentence.", "Who is speaking?",
@@ -52,10 +52,10 @@ def run(model, tok, work: Workload, rate: float, seed: int, **options) -> dict:
     """Serve ``work`` at ``rate`` req/s; TTFT stats (s), throughput, prefix hit rate."""
     engine = LLMEngine(model, tok, EngineConfig(**options))
     res = serve(engine, work, arrivals=poisson_arrivals(len(work.prompts), rate, seed))
-    ttft = sorted(r.ttft for r in res.records)
+    ttft = [r.ttft for r in res.records]
     b = engine.blocks
-    return {"ttft_mean": statistics.fmean(ttft), "ttft_p50": ttft[len(ttft) // 2],
-            "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))], "output_tok_s": res.throughput,
+    return {"ttft_mean": statistics.fmean(ttft), "ttft_p50": percentile(ttft, 50),
+            "ttft_p90": percentile(ttft, 90), "output_tok_s": res.throughput,
             "hit_rate": b.prefix_hit / b.prefix_queried if b.prefix_queried else 0.0,
             "makespan": res.makespan}
 

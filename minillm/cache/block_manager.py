@@ -157,9 +157,9 @@ class BlockManager:
         if seq_id in self.tables or seq_id in self.cpu_tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
         hit = self.match_prefix(token_ids)
-        if self.cached_need(token_ids, num_tokens) > self.num_free:
-            raise NoFreeBlocksError(f"need {self.cached_need(token_ids, num_tokens)} blocks, "
-                                    f"{self.num_free} free")
+        need = self._need(hit, num_tokens)
+        if need > self.num_free:
+            raise NoFreeBlocksError(f"need {need} blocks, {self.num_free} free")
         for block in hit:
             self.device.share(block)
         table = hit + [self.device.take()
@@ -175,7 +175,9 @@ class BlockManager:
     def cached_need(self, token_ids: list[int], num_tokens: int) -> int:
         """Free blocks ``allocate_cached`` would use: new ones, and the cached ones it reuses
         that nobody references (they stop being evictable)."""
-        hit = self.match_prefix(token_ids)
+        return self._need(self.match_prefix(token_ids), num_tokens)
+
+    def _need(self, hit: list[int], num_tokens: int) -> int:
         idle = sum(self.device.ref[b] == 0 for b in hit)
         return max(0, blocks_for(num_tokens, self.block_size) - len(hit)) + idle
 

@@ -277,17 +277,15 @@ class DisaggLLM:
         return tr
 
     def _extend(self, tr: Tracked, tokens: list[int], reason: str | None) -> None:
-        """Append tokens, applying stop strings and max_tokens here (as the workers do)."""
+        """Append tokens; the workers end a request at EOS or max_tokens (``reason``), the
+        router at a stop string, which may span the prefill worker's token and the decode
+        worker's (or a re-route)."""
         for t in tokens:
             tr.tokens.append(t)
             if tr.detok is not None:
                 tr.delta += tr.detok.push([t])
                 if tr.detok.stopped:
                     return self._finish(tr, "stop")
-            if t == _eos(self) and not tr.params.ignore_eos:
-                return self._finish(tr, "stop")
-            if len(tr.tokens) >= tr.params.max_tokens:
-                return self._finish(tr, "length")
         if reason is not None:
             self._finish(tr, reason)
 
@@ -367,9 +365,9 @@ class DisaggLLM:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the new text of one request as its tokens arrive; closing early aborts it."""
         rid = self.add_request(prompt, params)
+        last = time.monotonic()
         try:
             while True:
-                last = time.monotonic()
                 for out in self.step():
                     if out.request_id == rid:
                         last = time.monotonic()
@@ -397,11 +395,6 @@ class DisaggLLM:
                 raise TimeoutError(f"no request made progress in {self.timeout_s} s; waiting "
                                    f"(decode rank, tokens): {stuck}; workers: "
                                    f"{self.worker_stats()}")
-
-
-def _eos(llm: DisaggLLM) -> int:
-    name = llm.spec.model
-    return PRESETS[name].eos_token_id if name in PRESETS else PRESETS["smollm2-135m"].eos_token_id
 
 
 def _router_tokenizer(model: str):

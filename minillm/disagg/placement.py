@@ -38,7 +38,7 @@ import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -714,15 +714,21 @@ def evaluate_rate(mix: RequestMix, placement: Placement, rate: float, slo: SLO,
                      res.percentile("tpot", 0.9))
 
 
+def goodput_of(points: Iterable[tuple[float, float]], attainment: float = 0.9) -> float:
+    """DistServe's goodput from (rate, attainment) points: the highest rate below the lowest
+    one whose attainment misses ``attainment`` (0 if the lowest misses)."""
+    good = 0.0
+    for rate, att in sorted(points):
+        if att < attainment:
+            break
+        good = rate
+    return good
+
+
 def _result(placement: Placement, curve: Sequence[RatePoint], attainment: float
             ) -> GoodputResult:
-    """Goodput = the highest rate below the lowest one that misses ``attainment``."""
     curve = sorted(curve, key=lambda p: p.rate)
-    good = 0.0
-    for p in curve:
-        if p.attainment < attainment:
-            break
-        good = p.rate
+    good = goodput_of([(p.rate, p.attainment) for p in curve], attainment)
     return GoodputResult(good, placement.num_devices, placement.price_per_hour, tuple(curve))
 
 

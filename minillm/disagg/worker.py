@@ -119,6 +119,7 @@ class Worker:
         self.rank, self.engine, self.spec, self.links = rank, engine, spec, links
         self.incoming = [q for (src, dst), q in sorted(links.items()) if dst == rank]
         self.jobs: dict[str, Job] = {}
+        self.sent_tokens: dict[str, int] = {}      # request -> output tokens reported so far
         self.waiter = Waiter(spec.timeout_s)
         self.fault = spec.faults.get(rank)
         self.deferred: list[tuple] = []    # messages read during a forward pass
@@ -193,7 +194,6 @@ class PrefillWorker(Worker):
         self.streaming: list[tuple[str, Transfer, list[int]]] = []
         self.completing: list[tuple[str, list[int]]] = []    # this step's, not yet pulled
         self.sending: dict[str, Transfer] = {}
-        self.sent_tokens: dict[str, int] = {}
         self.over: OrderedDict[str, None] = OrderedDict()   # released requests (recent ones)
         self.engine.plan_hooks.append(self._on_plan)
         if self.spec.layerwise:
@@ -361,7 +361,6 @@ class DecodeWorker(Worker):
         self.pulled: dict[str, tuple[int, Transfer]] = {}   # rid -> (seq id, transfer)
         self.arrived: dict[str, int] = {}             # KV in place, first token not yet known
         self.first: dict[str, tuple[int, str | None]] = {}
-        self.sent_tokens: dict[str, int] = {}
 
     def handle(self, msg: tuple) -> None:
         kind, rid = msg[0], msg[1]

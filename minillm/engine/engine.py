@@ -180,18 +180,27 @@ class LLMEngine:
         request reached the server, for TTFT and latency."""
         params = params or SamplingParams()
         ids, text = self.validate(prompt, params)
+        req = Request(self._new_id(request_id), ids, params, priority, text)
+        self._register(req, arrival_time)
+        self.scheduler.add(req)
+        return req.request_id
+
+    def _new_id(self, request_id: str | None) -> str:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        req = Request(request_id, ids, params, priority, text)
+        return request_id
+
+    def _register(self, req: Request, arrival_time: float | None) -> None:
+        """Track a new request: its arrival, its text state, its random generator."""
         if arrival_time is not None:
             req.metrics.arrival = arrival_time
         if self.tokenizer is not None:
-            req.seqs[0].detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        self.requests[request_id] = req
-        self._generators[request_id] = make_generator(params.seed, self.model.device)
-        self.scheduler.add(req)
-        return request_id
+            seq = req.seqs[0]
+            seq.detok = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+            seq.detok.push(seq.output_ids)
+        self.requests[req.request_id] = req
+        self._generators[req.request_id] = make_generator(req.params.seed, self.model.device)
 
     def can_adopt(self, prompt_len: int) -> bool:
         """Room now for one more running sequence whose ``prompt_len`` tokens come computed
@@ -214,23 +223,14 @@ class LLMEngine:
             raise ValueError(f"seq_id {seq_id} must own blocks for the {len(ids)} prompt tokens")
         if not output_ids:
             raise ValueError("output_ids must hold at least the first sampled token")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         seq = Sequence(ids + [int(t) for t in output_ids], len(ids), seq_id=seq_id,
                        num_computed=len(ids))
-        req = Request(request_id, ids, params, seqs=[seq])
-        if arrival_time is not None:
-            req.metrics.arrival = arrival_time
+        req = Request(self._new_id(request_id), ids, params, seqs=[seq])
+        self._register(req, arrival_time)
         req.metrics.first_scheduled = req.metrics.first_token = time.perf_counter()
-        if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-            seq.detok.push(seq.output_ids)
-        self.requests[request_id] = req
-        self._generators[request_id] = make_generator(params.seed, self.model.device)
         req.status = Status.RUNNING
         self.scheduler.running.append(req)
-        return request_id
+        return req.request_id
 
     def validate(self, prompt: str | list[int], params: SamplingParams
                  ) -> tuple[list[int], str | None]:

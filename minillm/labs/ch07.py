@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from ..cache.block_manager import BlockManager
 from ..config import SamplingParams
-from ..disagg.placement import SLO
+from ..disagg.placement import SLO, goodput_of
 from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..engine.sequence import Request
 from .common import Result, check
@@ -94,12 +94,9 @@ def check_schedule_step(fn: Callable) -> Result:
 
 def goodput(curve, ttft_slo: float, tpot_slo: float, attainment: float = 0.9) -> float:
     """The package's rule on a sweep ``curve`` = [(rate, [(ttft, tpot), ...]), ...]."""
-    slo, good = SLO(ttft_slo, tpot_slo), 0.0
-    for rate, reqs in sorted(curve, key=lambda c: c[0]):
-        if sum(slo.met(a, b) for a, b in reqs) / len(reqs) < attainment:
-            break
-        good = rate
-    return good
+    slo = SLO(ttft_slo, tpot_slo)
+    return goodput_of([(rate, sum(slo.met(a, b) for a, b in reqs) / len(reqs))
+                       for rate, reqs in curve], attainment)
 
 
 def _goodput_cases():
