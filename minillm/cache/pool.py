@@ -79,6 +79,28 @@ class PagedKVPool:
             flat = pool.view(pool.shape[0], -1, *pool.shape[3:])
             flat[:, d] = flat[:, s]          # gathered first, so overlapping moves are safe
 
+    def gather(self, blocks: list[int]) -> torch.Tensor:
+        """The blocks' K and V gathered into one CPU staging tensor
+        [2, n_layers, len(blocks) * block_size, Hkv, hd] (a copy: the pool may change after)."""
+        idx = torch.tensor(blocks, device=self.k.device)
+        kv = torch.stack([self.k[:, idx], self.v[:, idx]]).flatten(2, 3)
+        return kv.cpu() if kv.device.type != "cpu" else kv
+
+    def write_layer(self, layer: int, blocks: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """Scatter k, v [len(blocks) * block_size, Hkv, hd] into layer ``layer`` of ``blocks``
+        (a LongTensor on the pool's device)."""
+        shape = (blocks.numel(), self.block_size, *k.shape[1:])
+        self.k[layer, blocks] = k.view(shape).to(self.k.device, non_blocking=True)
+        self.v[layer, blocks] = v.view(shape).to(self.v.device, non_blocking=True)
+
+    def write_blocks(self, blocks: torch.Tensor, kv: torch.Tensor) -> None:
+        """Scatter a staging tensor [2, n_layers, len(blocks) * block_size, Hkv, hd] into
+        ``blocks``, every layer."""
+        shape = (kv.shape[1], blocks.numel(), self.block_size, *kv.shape[3:])
+        self.k[:, blocks] = kv[0].reshape(shape).to(self.k.device, non_blocking=True)
+        self.v[:, blocks] = kv[1].reshape(shape).to(self.v.device, non_blocking=True)
+
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..cache.block_manager import BlockManager, blocks_for
+from ..cache.offload import OffloadConfig, TieredKVStore, model_fingerprint
 from ..cache.pool import block_bytes
 from ..checkpoint.tokenizer import Tokenizer
 from ..config import SamplingParams
@@ -63,7 +64,11 @@ class EngineConfig(SchedulerConfig):
     ``enable_prefix_caching`` (chapter 08) keeps computed full blocks and reuses them for any
     request whose prompt starts with the same tokens, found by ``prefix_cache``: "hash" (vLLM's
     hash chain over blocks) or "radix" (SGLang's radix tree); unreferenced cached blocks are
-    evicted least recently used first when the pool runs out.
+    evicted least recently used first when the pool runs out. ``kv_offload`` (an
+    :class:`minillm.cache.offload.OffloadConfig` or a dict of its fields: cpu_bytes, disk_dir,
+    disk_bytes, chunk_tokens, layerwise) puts a tiered store (CPU memory, then disk files)
+    behind the prefix cache: computed chunks are saved there and loaded back for any request
+    whose prompt starts with them, also in another process sharing ``disk_dir``.
     """
 
     block_size: int = 16
@@ -77,9 +82,15 @@ class EngineConfig(SchedulerConfig):
     static_buffers: bool | None = None
     enable_prefix_caching: bool = False
     prefix_cache: str = "hash"
+    kv_offload: OffloadConfig | dict | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.kv_offload is not None:
+            object.__setattr__(self, "kv_offload", OffloadConfig.from_options(self.kv_offload))
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_offload needs enable_prefix_caching=True (stored chunks "
+                                 "are found by their prefix)")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_batched_tokens < self.block_size:
@@ -131,10 +142,16 @@ class LLMEngine:
             if config.enable_prefix_caching else None
         self.blocks = BlockManager(num_blocks, config.block_size, num_cpu, config.watermark,
                                    cache)
-        self.scheduler = Scheduler(config.scheduler_config(), self.blocks, model.cfg.max_seq_len)
+        self.offload = TieredKVStore(config.kv_offload, model_fingerprint(model),
+                                     config.block_size) if config.kv_offload else None
+        self.scheduler = Scheduler(config.scheduler_config(), self.blocks, model.cfg.max_seq_len,
+                                   self.offload)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu, backend,
                                   config.pack_linears, config.max_num_batched_tokens,
                                   config.max_num_seqs, config.static_buffers)
+        if self.offload is not None:
+            self.runner.layerwise_loads = config.kv_offload.layerwise
+            self.runner.load_timing = self.offload.timing
         self.requests: dict[str, Request] = {}
         self.trace: deque[StepRecord] = deque(maxlen=config.trace_steps)
         self.step_hooks: list[StepHook] = []
@@ -336,6 +353,9 @@ class LLMEngine:
         for w in result.scheduled:
             w.seq.num_computed += w.num_tokens
             self.blocks.cache_computed(w.seq.seq_id, w.seq.token_ids, w.seq.num_computed)
+            if self.offload is not None:
+                self.offload.save(w.seq.seq_id, w.seq.token_ids, w.seq.num_computed,
+                                  self.blocks.tables[w.seq.seq_id], self.runner.pool.gather)
         ready = [r for r in plan.requests if r.seqs and all(s.seq_id in done for s in r.seqs)]
         last = {sid: rows.stop - 1 for sid, rows in result.logit_rows.items()
                 if sid in done}
@@ -450,6 +470,8 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         seq.draft = None
+        if self.offload is not None:
+            self.offload.forget(seq.seq_id)
         if self.speculator is not None:
             self.speculator.release(seq.seq_id)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention.paged import StepBuffers, batch_order, build_metadata, get_paged_backend
+from ..cache.offload import LayerwiseLoad, LoadTiming
 from ..cache.pool import PagedBatch, PagedKVPool
 from ..model.packed import can_pack_linears, pack_linears
 from ..model.transformer import Transformer
@@ -63,6 +64,29 @@ class ModelRunner:
         blocks_per_seq = -(-model.cfg.max_seq_len // block_size)
         self.buffers = StepBuffers(max_rows, max_seqs, blocks_per_seq, model.device) \
             if static_buffers else None
+        self.layerwise_loads = False        # stored KV loads overlap the forward (chapter 08)
+        self.load_timing = LoadTiming()
+
+    def start_loads(self, plan: SchedulerOutput, tables: Mapping[int, list[int]]
+                    ) -> LayerwiseLoad | None:
+        """Copy the plan's stored KV into its blocks: now, or (``layerwise_loads``) layer by
+        layer during the forward pass, returning the load to finish after it."""
+        if not plan.loads:
+            return None
+        dev = self.pool.k.device
+        loads = [(torch.tensor(tables[x.seq_id][x.first:x.first + x.kv.shape[2]
+                                               // self.block_size], device=dev), x)
+                 for x in plan.loads]
+        if self.layerwise_loads:
+            return LayerwiseLoad(self.pool, loads, self.model.layers, self.load_timing)
+        start = time.perf_counter()
+        for blocks, x in loads:
+            self.pool.write_blocks(blocks, x.kv)
+        spent = time.perf_counter() - start
+        self.load_timing.loads += 1
+        self.load_timing.load_seconds += spent
+        self.load_timing.exposed_seconds += spent
+        return None
 
     def move_blocks(self, plan: SchedulerOutput) -> float:
         """Swap out, swap in, copy-on-write, in that order; returns the seconds taken."""
@@ -104,9 +128,14 @@ class ModelRunner:
             inputs = {"input_ids": torch.tensor(ids, device=dev),
                       "positions": torch.tensor(pos, device=dev)}
         layers = sorted(set(hidden_layers) - {-1})
-        h, hidden = self.model.forward_layers(inputs["input_ids"][None],
-                                              PagedBatch(self.pool, meta, self.attn),
-                                              inputs["positions"], layers)
+        loading = self.start_loads(plan, tables)
+        try:
+            h, hidden = self.model.forward_layers(inputs["input_ids"][None],
+                                                  PagedBatch(self.pool, meta, self.attn),
+                                                  inputs["positions"], layers)
+        finally:
+            if loading is not None:
+                loading.finish()
         hidden = {i: x[0] for i, x in hidden.items()}
         if -1 in hidden_layers:
             hidden[-1] = h[0]

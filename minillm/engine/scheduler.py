@@ -103,13 +103,15 @@ class ScheduledSeq:
 class SchedulerOutput:
     """One step's plan. ``requests``: those that run; ``seqs``: what each of their sequences
     computes. Block moves for the runner to do first, in this order: ``swap_out`` (device block,
-    CPU block), ``swap_in`` (CPU block, device block), ``copies`` (src, dst)."""
+    CPU block), ``swap_in`` (CPU block, device block), ``copies`` (src, dst), then ``loads``
+    (stored KV for new blocks of admitted sequences, :class:`minillm.cache.offload.KVLoad`)."""
 
     requests: list[Request] = field(default_factory=list)
     seqs: list[ScheduledSeq] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    loads: list = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -127,8 +129,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_seq_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_seq_len: int,
+                 offload=None) -> None:
+        """``offload``: a KV store behind the prefix cache (:class:`minillm.cache.offload.
+        TieredKVStore`); admission loads the blocks it holds past the device's cached prefix."""
         self.config, self.blocks, self.max_seq_len = config, blocks, max_seq_len
+        self.offload = offload
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -281,8 +287,7 @@ class Scheduler:
         for req in self._sorted(self.waiting):
             cached = self._uses_prefix_cache(req)
             for s in req.seqs if cached else ():   # a prefix hit is computed already
-                s.num_computed = len(self.blocks.match_prefix(s.token_ids)) * \
-                    self.blocks.block_size
+                s.num_computed = self._cached_blocks(s) * self.blocks.block_size
             plan = self._prefill_plan(req, budget)
             if not plan and not out.requests:
                 plan = [(s, s.num_uncomputed) for s in req.seqs]
@@ -294,8 +299,9 @@ class Scheduler:
             reserve = self.config.admission == "reserve"
             for s, n in zip(req.seqs, slots):
                 if cached:
-                    req.metrics.cached_tokens += self.blocks.allocate_cached(
-                        s.seq_id, s.token_ids, n)
+                    found = self.blocks.allocate_cached(s.seq_id, s.token_ids, n)
+                    self._load_stored(s, found, out)
+                    req.metrics.cached_tokens += s.num_computed
                     continue
                 self.blocks.allocate(s.seq_id, s.num_computed if reserve else n,
                                      reserve_tokens=n if reserve else None)
@@ -308,6 +314,27 @@ class Scheduler:
             self.running.append(req)
             out.requests.append(req)
             budget -= sum(n for _, n in plan)
+
+    def _cached_blocks(self, s: Sequence) -> int:
+        """Leading blocks of the sequence whose KV is cached on the device or in the store."""
+        hit = len(self.blocks.match_prefix(s.token_ids))
+        if self.offload is None:
+            return hit
+        usable = (len(s.token_ids) - 1) // self.blocks.block_size   # never the last token
+        return max(hit, self.offload.stored_blocks(s.token_ids, usable))
+
+    def _load_stored(self, s: Sequence, device_hit: int, out: SchedulerOutput) -> None:
+        """Fetch the store's KV for the blocks past the device hit (``device_hit`` tokens) that
+        admission counted as computed; what the store fails to give (a corrupt or evicted
+        entry) is computed instead."""
+        if s.num_computed <= device_hit:
+            return
+        bs = self.blocks.block_size
+        load = self.offload.fetch(s.seq_id, s.token_ids, device_hit // bs, s.num_computed // bs)
+        got = 0 if load is None else load.kv.shape[2]
+        s.num_computed = device_hit + got
+        if load is not None:
+            out.loads.append(load)
 
     def _uses_prefix_cache(self, req: Request) -> bool:
         """Prefix caching applies to paged admission of requests that need no prompt
