@@ -415,16 +415,19 @@ def add_bench_prefix(sub) -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0, 8.0],
                    help="requests/s (default: %(default)s)")
     p.add_argument("--dtype", default=None, help="default: what minillm.LLM picks")
+    p.add_argument("--parts", nargs="+", default=None,
+                   help="any of shared_prompt multi_turn cache_size tiers blend (default: all)")
     p.set_defaults(func=cmd_bench_prefix)
 
 
 def cmd_bench_prefix(args: argparse.Namespace) -> int:
-    from .bench.prefix import prefix_table, run_prefix_bench
+    from .bench.prefix import PARTS, prefix_table, run_prefix_bench
     from .viz.bench import plot_prefix
 
     use_threads(args)
     report = run_prefix_bench(args.model, args.num_requests, args.system_tokens,
-                              tuple(args.rates), dtype=args.dtype)
+                              tuple(args.rates), dtype=args.dtype,
+                              parts=tuple(args.parts or PARTS))
     return write_report(args, report, prefix_table(report), plot_prefix)
 
 

@@ -189,6 +189,18 @@ def test_bad_disk_directories_name_the_parameter(tmp_path, model):
         offload_engine(model, chunk_tokens=12)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig(kv_offload={"cpu_bytes": 1 << 20})
+    with pytest.raises(ValueError, match="cpu_bytes .* holds no chunk"):
+        offload_engine(model, cpu_bytes=100)
+
+
+@pytest.mark.parametrize("options, match", [({"num_kv_blocks": 1 << 40}, "num_kv_blocks"),
+                                            ({"kv_cache_memory": 1 << 60}, "kv_cache_memory"),
+                                            ({"num_kv_blocks": 0}, "num_kv_blocks"),
+                                            ({"preemption": "swap", "swap_space": 1e9},
+                                             "swap_space")])
+def test_pools_larger_than_memory_are_refused(model, options, match):
+    with pytest.raises(ValueError, match=match):
+        LLMEngine(model, None, EngineConfig(block_size=8, **options))
 
 
 # ---- the engine ------------------------------------------------------------------------------

@@ -112,6 +112,20 @@ def test_equal_tokens_under_another_prefix_never_match():
     assert cache.insert([1, 2, 3, 4], [12]) == []               # cached already, under 10
 
 
+def test_a_freed_chain_is_evicted_from_its_tail():
+    """A freed sequence's blocks wait tail first, so eviction shortens a cached chain and never
+    cuts its head off (which would leave the rest stored but unreachable)."""
+    blocks = BlockManager(4, 4, watermark=0, prefix_cache=HashPrefixCache(4))
+    toks = list(range(16))
+    blocks.allocate_cached(0, toks, 16)
+    blocks.cache_computed(0, toks, 16)
+    head = blocks.tables[0]
+    blocks.free(0)
+    blocks.allocate(1, 4)                      # takes one cached block back
+    assert blocks.tables[1] == [head[-1]]
+    assert blocks.match_prefix(toks + [99]) == head[:3]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2), st.integers(1, 30)),
                 min_size=1, max_size=40))

@@ -301,8 +301,8 @@ class BlockManager:
             self.free(~seq_id)
             self.tables[~seq_id] = self.tables.pop(seq_id)
             self.filled[~seq_id] = self.filled.pop(seq_id)
-        for block in self.tables.pop(seq_id, []):
-            self._release(block)
+        for block in reversed(self.tables.pop(seq_id, [])):
+            self._release(block)    # tail first: LRU then evicts a chain from its end (vLLM)
         for block in self.cpu_tables.pop(seq_id, []):
             self.cpu.release(block)
         self.filled.pop(seq_id, None)

@@ -376,16 +376,26 @@ class LoadTiming:
 class TieredKVStore:
     """The CPU and disk tiers behind one engine's device pool (see the module docstring)."""
 
-    def __init__(self, config: OffloadConfig, namespace: bytes, block_size: int) -> None:
+    def __init__(self, config: OffloadConfig, namespace: bytes, block_size: int,
+                 token_bytes: int = 0) -> None:
+        """``token_bytes``: KV bytes of one token (all layers, K and V); a tier too small for
+        one chunk of them is refused."""
         if config.chunk_tokens % block_size:
             raise ValueError(f"kv_offload.chunk_tokens ({config.chunk_tokens}) must be a "
                              f"multiple of block_size ({block_size})")
+        chunk = token_bytes * config.chunk_tokens
+        for name in ("cpu_bytes", "disk_bytes"):
+            cap = getattr(config, name)
+            if 0 < cap < chunk and (name == "cpu_bytes" or config.disk_dir):
+                raise ValueError(f"kv_offload.{name} ({cap}) holds no chunk of {chunk} bytes: "
+                                 f"use 0 (no such tier) or at least {chunk}")
         self.config, self.namespace, self.block_size = config, namespace, block_size
         self.cpu = MemoryTier(config.cpu_bytes)
         self.disk = DiskTier(config.disk_dir, config.disk_bytes) if config.disk_dir else None
         self.timing = LoadTiming()
         self.saved: dict[int, int] = {}     # seq id -> its leading chunks known to be stored
         self.device_in = self.device_out = 0   # bytes saved from / loaded into the device pool
+        self.tokens_loaded = 0                 # prompt tokens whose KV came from the store
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -435,6 +445,7 @@ class TieredKVStore:
             return None
         staged = torch.cat(parts, dim=2)
         self.device_out += _nbytes(staged)
+        self.tokens_loaded += staged.shape[2]
         return KVLoad(seq_id, first, staged)
 
     def save(self, seq_id: int, token_ids: Sequence[int], num_computed: int, table: list[int],
@@ -470,6 +481,7 @@ class TieredKVStore:
     def stats(self) -> dict:
         """Tier traffic so far (bytes), hits and misses, load timing."""
         out = {"device_to_cpu_bytes": self.device_in, "store_to_device_bytes": self.device_out,
+               "tokens_loaded": self.tokens_loaded,
                "cpu": vars(self.cpu.stats) | {"used_bytes": self.cpu.used},
                "load_seconds": self.timing.load_seconds,
                "exposed_seconds": self.timing.exposed_seconds,

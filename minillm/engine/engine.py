@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..cache.block_manager import BlockManager, blocks_for
-from ..cache.offload import OffloadConfig, TieredKVStore, model_fingerprint
+from ..cache.offload import OffloadConfig, TieredKVStore, model_fingerprint, physical_memory
 from ..cache.pool import block_bytes
 from ..checkpoint.tokenizer import Tokenizer
 from ..config import SamplingParams
@@ -120,6 +120,25 @@ def kv_blocks_for_memory(model: Transformer, block_size: int, memory: int | None
     return max(1, memory // block_bytes(model.cfg, block_size, model.dtype))
 
 
+def check_pool_fits(model: Transformer, num_blocks: int, num_cpu_blocks: int,
+                    block_size: int) -> None:
+    """ValueError naming the option when the KV pools would not fit this machine's memory
+    (the device's, and RAM for the CPU swap pool and for a pool on the CPU)."""
+    size = block_bytes(model.cfg, block_size, model.dtype)
+    ram = physical_memory()
+    if model.device.type == "cuda":
+        total = torch.cuda.get_device_properties(model.device).total_memory
+        if num_blocks * size > total:
+            raise ValueError(f"num_kv_blocks / kv_cache_memory: {num_blocks} blocks need "
+                             f"{num_blocks * size} bytes, more than the GPU's {total}")
+    elif num_blocks * size > ram:
+        raise ValueError(f"num_kv_blocks / kv_cache_memory: {num_blocks} blocks need "
+                         f"{num_blocks * size} bytes, more than this machine's {ram}")
+    if num_cpu_blocks * size > ram:
+        raise ValueError(f"swap_space: {num_cpu_blocks} CPU blocks need {num_cpu_blocks * size} "
+                         f"bytes, more than this machine's {ram}")
+
+
 StepHook = Callable[["LLMEngine", StepRecord], None]
 PlanHook = Callable[["LLMEngine", SchedulerOutput], None]
 
@@ -136,14 +155,16 @@ class LLMEngine:
                                                                   config.kv_cache_memory)
         num_cpu = 0 if config.preemption == "recompute" else \
             int(config.swap_space * GiB) // block_bytes(model.cfg, config.block_size, model.dtype)
+        check_pool_fits(model, num_blocks, num_cpu, config.block_size)
         backend = config.attention_backend or ("triton" if model.device.type == "cuda"
                                                else "sdpa")
         cache = make_prefix_cache(config.prefix_cache, config.block_size) \
             if config.enable_prefix_caching else None
         self.blocks = BlockManager(num_blocks, config.block_size, num_cpu, config.watermark,
                                    cache)
-        self.offload = TieredKVStore(config.kv_offload, model_fingerprint(model),
-                                     config.block_size) if config.kv_offload else None
+        self.offload = TieredKVStore(
+            config.kv_offload, model_fingerprint(model), config.block_size,
+            block_bytes(model.cfg, 1, model.dtype)) if config.kv_offload else None
         self.scheduler = Scheduler(config.scheduler_config(), self.blocks, model.cfg.max_seq_len,
                                    self.offload)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu, backend,

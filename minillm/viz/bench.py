@@ -255,25 +255,37 @@ def plot_disagg(report: dict):
 
 
 def plot_prefix(report: dict):
-    """Prefix caching: TTFT on the shared prompt per cache kind, TTFT and hit rate against
-    the pool size, multi-turn hit rates."""
+    """Prefix caching and offload: one panel per part of the report that is present (TTFT on
+    the shared prompt per cache kind; TTFT and hit rate against pool size; multi-turn hit rates;
+    the tiers' TTFT and traffic; CacheBlend's TTFT and quality)."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-    shared = report["shared_prompt"]
+    panels = [(key, fn) for key, fn in (("shared_prompt", _prefix_shared),
+                                        ("cache_size", _prefix_sizes),
+                                        ("multi_turn", _prefix_turns), ("tiers", plot_tiers_on),
+                                        ("blend", plot_blend_on)) if key in report]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6), squeeze=False)
+    for ax, (key, fn) in zip(axes[0], panels):
+        fn(ax, report[key])
+    fig.tight_layout()
+    return fig
+
+
+def _prefix_shared(ax, shared: dict) -> None:
     rates = list(shared)
     for j, (kind, colour) in enumerate((("none", "#c44e52"), ("hash", "#4c72b0"),
                                          ("radix", "#55a868"))):
-        axes[0].bar([i + 0.27 * (j - 1) for i in range(len(rates))],
-                    [shared[r][kind]["ttft_mean"] * 1e3 for r in rates], 0.27, color=colour,
-                    label=kind)
-    axes[0].set_xticks(range(len(rates)), [f"{r} req/s" for r in rates])
-    axes[0].set_yscale("log")
-    axes[0].legend(fontsize=8)
-    axes[0].set_title("shared system prompt: mean TTFT (ms)")
-    sizes = report["cache_size"]
+        ax.bar([i + 0.27 * (j - 1) for i in range(len(rates))],
+               [shared[r][kind]["ttft_mean"] * 1e3 for r in rates], 0.27, color=colour,
+               label=kind)
+    ax.set_xticks(range(len(rates)), [f"{r} req/s" for r in rates])
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("shared system prompt: mean TTFT (ms)", fontsize=9)
+
+
+def _prefix_sizes(ax, sizes: dict) -> None:
     n = [int(k) for k in sizes]
-    ax = axes[1]
     ax.plot(n, [r["ttft_mean"] * 1e3 for r in sizes.values()], "o-", label="TTFT ms")
     ax.set_xscale("log")
     ax.set_xlabel("KV pool blocks")
@@ -281,9 +293,52 @@ def plot_prefix(report: dict):
     twin = ax.twinx()
     twin.plot(n, [r["hit_rate"] for r in sizes.values()], "s--", color="#dd8452")
     twin.set_ylabel("hit rate")
-    ax.set_title("hash cache: TTFT and hit rate vs pool size")
-    turns = report["multi_turn"]
-    axes[2].bar(list(turns), [r["hit_rate"] for r in turns.values()], color="#8172b2")
-    axes[2].set_title("multi-turn chat: prompt tokens found in the cache")
-    fig.tight_layout()
-    return fig
+    ax.set_title("hash cache: TTFT and hit rate vs pool size", fontsize=9)
+
+
+def _prefix_turns(ax, turns: dict) -> None:
+    ax.bar(list(turns), [r["hit_rate"] for r in turns.values()], color="#8172b2")
+    ax.set_title("multi-turn chat: prompt tokens found cached", fontsize=9)
+
+
+def tier_traffic(run: dict) -> dict[str, float]:
+    """MiB each tier boundary carried in one tiers run (0 where a tier is absent)."""
+    st = run.get("store", {})
+    disk = st.get("disk", {})
+    mib = 1 / (1 << 20)
+    return {"device -> CPU": st.get("device_to_cpu_bytes", 0) * mib,
+            "CPU -> disk": disk.get("bytes_in", 0) * mib,
+            "disk -> CPU": disk.get("bytes_out", 0) * mib,
+            "store -> device": st.get("store_to_device_bytes", 0) * mib}
+
+
+def plot_tiers_on(ax, tiers: dict) -> None:
+    """Per tiers configuration: mean TTFT (bars) and the MiB each tier boundary moved."""
+    runs = tiers["runs"]
+    names = list(runs)
+    ax.bar(range(len(names)), [r["ttft_mean"] * 1e3 for r in runs.values()], color="#cccccc",
+           label="mean TTFT (ms)")
+    ax.set_yscale("log")
+    ax.set_ylabel("mean TTFT (ms)")
+    ax.set_xticks(range(len(names)), [n.replace(", ", ",\n").replace(": ", ":\n")
+                                      for n in names], fontsize=7)
+    twin = ax.twinx()
+    for (edge, _), marker in zip(tier_traffic({}).items(), "o^sv"):
+        twin.plot(range(len(names)), [tier_traffic(r)[edge] for r in runs.values()], marker,
+                  label=edge)
+    twin.set_ylabel("MiB moved")
+    twin.legend(fontsize=6, loc="upper left")
+    ax.set_title(f"tiered store: {tiers['num_prompts']} prompts in turn, device holds "
+                 f"{tiers['device_prompts']}", fontsize=9)
+
+
+def plot_blend_on(ax, blend: dict) -> None:
+    """Per prefill method: TTFT lower than full recompute (x) against answer quality."""
+    for name, m in blend["methods"].items():
+        ax.scatter(m["ttft_ratio"], m["token_match"], s=30)
+        ax.annotate(name.replace("CacheBlend ", "blend "), (m["ttft_ratio"], m["token_match"]),
+                    fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("TTFT lower than full recompute (x)")
+    ax.set_ylabel("answer tokens matching full recompute")
+    ax.set_title(f"CacheBlend: {blend['per_query']} passages of {blend['passage_tokens']} "
+                 f"tokens, reordered", fontsize=9)

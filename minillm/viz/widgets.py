@@ -3,6 +3,11 @@
 Chapter 04: :func:`memory_explorer`, a slider over engine steps showing the KV pool's memory
 map (which request owns each physical block, reference counts of shared blocks) and the block
 tables of the running sequences.
+
+Chapter 08: :func:`radix_stepper`, Play / a slider through the frames of
+:func:`minillm.viz.ch08.radix_frames` (requests entering and leaving the engine's radix prefix
+cache: hits, evictions), the tree after each event. Widgets only live in a running kernel: a
+notebook shows :func:`minillm.viz.ch08.plot_radix_steps` next to it for a static copy.
 """
 from __future__ import annotations
 
@@ -48,4 +53,34 @@ def block_tables_text(snap, max_rows: int = 12) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["block_tables_text", "memory_explorer"]
+def radix_stepper(frames, label=None, interval_ms: int = 1500):
+    """Play / a slider through ``frames`` (:func:`minillm.viz.ch08.radix_frames`): the radix
+    tree after each event, its text and the prompt tokens found in the cache."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    from .ch08 import plot_radix_frame
+
+    if not frames:
+        raise ValueError("frames must not be empty: build them with radix_frames(events, ...)")
+    slider = widgets.IntSlider(value=1, min=1, max=len(frames), description="step",
+                               continuous_update=False)
+    play = widgets.Play(value=1, min=1, max=len(frames), interval=interval_ms)
+    widgets.jslink((play, "value"), (slider, "value"))
+    out = widgets.Output()
+
+    def show(change=None) -> None:
+        frame = frames[slider.value - 1]
+        with out:
+            out.clear_output(wait=True)
+            fig = plot_radix_frame(frame, label)
+            display(fig)
+            plt.close(fig)
+            print(f"step {slider.value}: {frame['event']}")
+
+    slider.observe(show, names="value")
+    show()
+    return widgets.VBox([widgets.HBox([play, slider]), out])
+
+
+__all__ = ["block_tables_text", "memory_explorer", "radix_stepper"]
