@@ -29,5 +29,8 @@ timeout 200 python3 benchmarks/gpu_engine_check.py --out "$res/engine_gpu.json" 
 #    model; the sweep starts no run after 120 s)
 timeout 150 python3 benchmarks/gpu_spec_check.py --out "$res/spec_gpu.json" --budget-s 120 \
     || status=1
+# 6. chapter 08: the tiered KV store's CUDA paths (pinned staging, side-stream layer-by-layer
+#    loads, disk tier, restart) == a cold engine; CacheBlend ratio 1 == full prefill, timings
+timeout 120 python3 benchmarks/gpu_offload_check.py --out "$res/offload_gpu.json" || status=1
 if [ -n "${OUT:-}" ]; then cp "$res"/*.json "$OUT"/ 2>/dev/null || true; fi
 exit $status

@@ -292,3 +292,17 @@ def test_a_second_process_reuses_the_disk_tier(model, tmp_path):
     assert cached == 96 and tokens == cold(model, ps[1:2])[0]
     tokens, cached = run_process(tmp_path, ps[1], seed=5)  # another model: no match
     assert cached == 0
+
+
+def test_a_failing_layerwise_load_raises_instead_of_hanging(model, monkeypatch):
+    engine = offload_engine(model)
+    one_by_one(engine, prompts()[:1])
+
+    def broken(*args):
+        raise OSError("device gone")
+
+    monkeypatch.setattr(engine.runner.pool, "write_layer", broken)
+    engine.add_request(prompts()[1], GREEDY)
+    with pytest.raises(RuntimeError, match="loading stored KV failed"):
+        while engine.has_unfinished():
+            engine.step()

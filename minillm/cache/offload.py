@@ -502,22 +502,33 @@ class LayerwiseLoad:
         self.ready = [threading.Event() for _ in layers]
         self.cuda = pool.k.device.type == "cuda"
         self.events = [torch.cuda.Event() for _ in layers] if self.cuda else []
+        if self.cuda:                 # the side stream starts after the work queued so far
+            self.queued = torch.cuda.Event()
+            self.queued.record()
         self.hooks = [layer.register_forward_pre_hook(self._waiter(i))
                       for i, layer in enumerate(layers)]
+        self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.started = time.perf_counter()
         self.thread.start()
 
     def _run(self) -> None:
-        stream = torch.cuda.Stream(self.pool.k.device) if self.cuda else None
-        for layer, ready in enumerate(self.ready):
+        try:
+            stream = torch.cuda.Stream(self.pool.k.device) if self.cuda else None
             if stream is not None:
-                with torch.cuda.stream(stream):
+                stream.wait_event(self.queued)
+            for layer, ready in enumerate(self.ready):
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        self._copy_layer(layer)
+                        self.events[layer].record(stream)
+                else:
                     self._copy_layer(layer)
-                    self.events[layer].record(stream)
-            else:
-                self._copy_layer(layer)
-            ready.set()
+                ready.set()
+        except BaseException as e:      # noqa: BLE001 - re-raised by finish()
+            self.error = e
+            for ready in self.ready:    # no layer waits forever
+                ready.set()
         self.timing.load_seconds += time.perf_counter() - self.started
 
     def _copy_layer(self, layer: int) -> None:
@@ -539,6 +550,8 @@ class LayerwiseLoad:
         for h in self.hooks:
             h.remove()
         self.timing.loads += 1
+        if self.error is not None:
+            raise RuntimeError("loading stored KV failed") from self.error
 
 
 __all__ = ["OffloadConfig", "TieredKVStore", "MemoryTier", "DiskTier", "KVLoad", "LoadTiming",
