@@ -306,3 +306,13 @@ def test_a_failing_layerwise_load_raises_instead_of_hanging(model, monkeypatch):
     with pytest.raises(RuntimeError, match="loading stored KV failed"):
         while engine.has_unfinished():
             engine.step()
+
+
+def test_a_disk_only_store_serves_from_files(model, tmp_path):
+    ps = prompts()
+    engine = offload_engine(model, cpu_bytes=0, disk_dir=str(tmp_path))
+    outs = one_by_one(engine, ps)
+    assert [o.token_ids for o in outs] == cold(model, ps)
+    stats = engine.offload.stats()
+    assert stats["cpu"]["puts"] == 0 and stats["disk"]["hits"] > 0 and stats["tokens_loaded"] > 0
+    assert_all_free(engine)

@@ -264,9 +264,13 @@ def plot_prefix(report: dict):
                                         ("cache_size", _prefix_sizes),
                                         ("multi_turn", _prefix_turns), ("tiers", plot_tiers_on),
                                         ("blend", plot_blend_on)) if key in report]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6), squeeze=False)
-    for ax, (key, fn) in zip(axes[0], panels):
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.9 * rows), squeeze=False)
+    for ax, (key, fn) in zip(axes.flat, panels):
         fn(ax, report[key])
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     fig.tight_layout()
     return fig
 
@@ -321,7 +325,7 @@ def plot_tiers_on(ax, tiers: dict) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("mean TTFT (ms)")
     ax.set_xticks(range(len(names)), [n.replace(", ", ",\n").replace(": ", ":\n")
-                                      for n in names], fontsize=7)
+                                      for n in names], fontsize=7, rotation=25)
     twin = ax.twinx()
     for (edge, _), marker in zip(tier_traffic({}).items(), "o^sv"):
         twin.plot(range(len(names)), [tier_traffic(r)[edge] for r in runs.values()], marker,
@@ -334,10 +338,10 @@ def plot_tiers_on(ax, tiers: dict) -> None:
 
 def plot_blend_on(ax, blend: dict) -> None:
     """Per prefill method: TTFT lower than full recompute (x) against answer quality."""
-    for name, m in blend["methods"].items():
+    for i, (name, m) in enumerate(blend["methods"].items()):
         ax.scatter(m["ttft_ratio"], m["token_match"], s=30)
         ax.annotate(name.replace("CacheBlend ", "blend "), (m["ttft_ratio"], m["token_match"]),
-                    fontsize=7, xytext=(3, 3), textcoords="offset points")
+                    fontsize=7, xytext=(4, -10 * (i % 3)), textcoords="offset points")
     ax.set_xlabel("TTFT lower than full recompute (x)")
     ax.set_ylabel("answer tokens matching full recompute")
     ax.set_title(f"CacheBlend: {blend['per_query']} passages of {blend['passage_tokens']} "
