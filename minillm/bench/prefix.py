@@ -280,9 +280,10 @@ def prefix_table(report: dict) -> str:
               r["hit_rate"]) for k, r in report.get("multi_turn", {}).items()]
     rows += [(f"4 prompts, pool {n} blocks, hash", r["ttft_mean"] * 1e3, r["ttft_p90"] * 1e3,
               r["output_tok_s"], r["hit_rate"]) for n, r in report.get("cache_size", {}).items()]
-    rows += [(f"8 prompts: {name}", r["ttft_mean"] * 1e3, r["ttft_p90"] * 1e3,
-              r["output_tok_s"], r["hit_rate"])
-             for name, r in report.get("tiers", {}).get("runs", {}).items()]
+    tiers = report.get("tiers", {})
+    rows += [(f"{tiers['num_prompts']} prompts: {name}", r["ttft_mean"] * 1e3,
+              r["ttft_p90"] * 1e3, r["output_tok_s"], r["hit_rate"])
+             for name, r in tiers.get("runs", {}).items()]
     out = [format_table([("run", "s"), ("TTFT mean ms", ".1f"), ("p90 ms", ".1f"),
                          ("out tok/s", ".1f"), ("hit rate", ".2f")], rows)]
     if "shared_prompt" in report:
