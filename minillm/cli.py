@@ -1,4 +1,4 @@
-"""The command line: ``python -m minillm generate|chat|bench ...`` (also installed as ``minillm``).
+"""The command line: ``python -m minillm generate|chat|serve|bench ...`` (also ``minillm``).
 
 Each subcommand is a pair of functions: ``add_<name>(subparsers)`` declares its arguments and
 sets ``func`` to ``cmd_<name>(args) -> exit code``. :data:`COMMANDS` and
@@ -447,8 +447,48 @@ def add_bench(sub) -> None:
         add(inner)
 
 
-#: Top-level subcommands; ``serve`` goes here.
-COMMANDS: dict[str, AddParser] = {"generate": add_generate, "chat": add_chat, "bench": add_bench}
+# ----------------------------------------------------------------------------- serve
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
+                                     "/v1/chat/completions, /metrics)")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="requests that may wait beyond a full batch before 503 (default: "
+                        "%(default)s)")
+    p.add_argument("--served-model-name", default=None, help="(default: --model)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get after SIGTERM (default: %(default)s)")
+    p.add_argument("--log-level", default="info", help="uvicorn's (default: %(default)s)")
+    engine = p.add_argument_group("engine options (minillm.LLM's; default: the engine's)")
+    for flag, kind in (("--max-num-seqs", int), ("--num-kv-blocks", int), ("--block-size", int),
+                       ("--max-num-batched-tokens", int)):
+        engine.add_argument(flag, type=kind, default=None)
+    for flag in ("--enable-chunked-prefill", "--enable-prefix-caching"):
+        engine.add_argument(flag, action="store_true", default=None)
+    p.set_defaults(func=cmd_serve)
+
+
+ENGINE_FLAGS = ("max_num_seqs", "num_kv_blocks", "block_size", "max_num_batched_tokens",
+                "enable_chunked_prefill", "enable_prefix_caching")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve.api import serve
+
+    options = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    serve(args.model, args.host, args.port, api_key=args.api_key, max_queue=args.max_queue,
+          shutdown_timeout=args.shutdown_timeout, device=args.device, dtype=args.dtype,
+          log_level=args.log_level, served_model_name=args.served_model_name, **options)
+    return 0
+
+
+#: Top-level subcommands.
+COMMANDS: dict[str, AddParser] = {"generate": add_generate, "chat": add_chat, "serve": add_serve,
+                                  "bench": add_bench}
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -184,6 +184,8 @@ class SamplingParams:
                              f"(beam_width={self.beam_width})")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must hold non-empty strings, got {list(self.stop)!r}")
 
     @property
     def greedy(self) -> bool:

@@ -659,11 +659,14 @@ class LLMEngine:
 
     # ---- outputs -------------------------------------------------------------------------------
     def output(self, req: Request) -> RequestOutput:
-        """The request's completions: finished samples in order, or the n best beams. Each
-        carries the text that is new since the last output (``text_delta``)."""
+        """The request's completions: samples in the order they were forked (so ``index`` i is
+        the same sample in every output of a stream), or the n best beams. Each carries the
+        text that is new since the last output (``text_delta``)."""
         seqs = req.done + req.seqs
         if req.params.use_beam_search:
             seqs = sorted(seqs, key=lambda s: self._beam_score(req, s), reverse=True)
+        else:
+            seqs = sorted(seqs, key=lambda s: s.seq_id)
         outs = []
         for i, s in enumerate(seqs[:max(1, req.params.n)]):
             text = s.detok.text if s.detok is not None else ""
