@@ -431,13 +431,41 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
     return write_report(args, report, prefix_table(report), plot_prefix)
 
 
+def add_bench_serve(sub) -> None:
+    from .bench.serve import NUM_REQUESTS, PEERS, RATES
+
+    p = bench_parser(sub, "serve", "the OpenAI server under Poisson load against llama.cpp's "
+                                   "server: TTFT, TPOT, ITL, goodput per request rate")
+    p.add_argument("--rates", type=float, nargs="+", default=list(RATES),
+                   help="requests/s (default: %(default)s)")
+    p.add_argument("--num-requests", type=int, default=NUM_REQUESTS,
+                   help="requests per rate (default: %(default)s)")
+    p.add_argument("--peers", nargs="+", default=list(PEERS),
+                   help="servers: minillm, llama.cpp (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="minillm's batch (default: "
+                                                                  "the engine's)")
+    p.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    p.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from .bench.serve import run_serve_bench, serve_table
+    from .viz.bench import plot_serve
+
+    report = run_serve_bench(args.model, tuple(args.rates), args.num_requests,
+                             tuple(args.peers), args.threads, args.max_num_seqs,
+                             seed=args.seed, say=log_to_stderr)
+    return write_report(args, report, serve_table(report), plot_serve)
+
+
 #: ``bench`` subcommands.
 BENCH_COMMANDS: dict[str, AddParser] = {"decode": add_bench_decode,
                                         "throughput": add_bench_throughput,
                                         "quant": add_bench_quant, "spec": add_bench_spec,
                                         "chunked": add_bench_chunked,
                                         "disagg": add_bench_disagg,
-                                        "prefix": add_bench_prefix}
+                                        "prefix": add_bench_prefix,
+                                        "serve": add_bench_serve}
 
 
 def add_bench(sub) -> None:

@@ -346,3 +346,36 @@ def plot_blend_on(ax, blend: dict) -> None:
     ax.set_ylabel("answer tokens matching full recompute")
     ax.set_title(f"CacheBlend: {blend['per_query']} passages of {blend['passage_tokens']} "
                  f"tokens, reordered", fontsize=9)
+
+
+def plot_serve(report: dict):
+    """The serving sweep: TTFT and TPOT (p50 solid, p99 dashed; log scale, a saturated server's
+    queue puts them far above the SLO line) and output tokens/s against the request rate, one
+    colour per server."""
+    import matplotlib.pyplot as plt
+
+    servers = {n: s["runs"] for n, s in report["servers"].items() if s.get("runs")}
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    for i, (name, runs) in enumerate(servers.items()):
+        rates = [r["rate"] for r in runs]
+        for ax, what, scale in ((axes[0], "ttft", 1), (axes[1], "tpot", 1e3)):
+            for q, style in (("p50", "-"), ("p99", "--")):
+                ax.plot(rates, [(r[f"{what}_{q}"] or float("nan")) * scale for r in runs], style,
+                        marker="o", color=f"C{i}", label=f"{name} {q}")
+        axes[2].plot(rates, [r["output_tok_s"] for r in runs], marker="o", color=f"C{i}",
+                     label=name)
+    slo = report["slo"]
+    for ax, title, limit in ((axes[0], "TTFT (s)", slo["ttft_s"]),
+                             (axes[1], "TPOT (ms)", slo["tpot_s"] * 1e3),
+                             (axes[2], "output tokens / s", None)):
+        if limit is not None:
+            ax.axhline(limit, color="grey", lw=0.8, ls=":", label="SLO")
+            ax.set_yscale("log")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    w = report["workload"]
+    fig.suptitle(f"{w['num_requests']} requests per rate on {report['machine']['device']} "
+                 f"({report['machine']['threads']} threads)", fontsize=10)
+    fig.tight_layout()
+    return fig
