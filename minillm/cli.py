@@ -458,6 +458,31 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return write_report(args, report, serve_table(report), plot_serve)
 
 
+def add_bench_runtime(sub) -> None:
+    p = bench_parser(sub, "runtime", "batch-1 decode eager / compiled / CUDA graphs / int8 / "
+                     "int4 vs llama.cpp; decode step time by batch size")
+    p.add_argument("--configs", nargs="+", default=None,
+                   help="WEIGHTS[@fp32|@bf16][+compile][+graphs], WEIGHTS fp32, bf16, int8 or "
+                        "int4 (default: a CPU or a GPU set)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated (default: 64)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs; median (default: 3)")
+    p.add_argument("--batch-sizes", type=int, nargs="*", default=[],
+                   help="also time the decode step at these batch sizes")
+    p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
+    p.set_defaults(func=cmd_bench_runtime)
+
+
+def cmd_bench_runtime(args: argparse.Namespace) -> int:
+    from .bench.runtime import run_runtime_bench, runtime_table
+    from .viz.bench import plot_runtime
+
+    report = run_runtime_bench(args.model, args.configs, args.prompt_len, args.new_tokens,
+                               args.repeats, args.batch_sizes, args.device, args.threads,
+                               llama=not args.no_llama, log=log_to_stderr)
+    return write_report(args, report, runtime_table(report), plot_runtime)
+
+
 #: ``bench`` subcommands.
 BENCH_COMMANDS: dict[str, AddParser] = {"decode": add_bench_decode,
                                         "throughput": add_bench_throughput,
@@ -465,7 +490,8 @@ BENCH_COMMANDS: dict[str, AddParser] = {"decode": add_bench_decode,
                                         "chunked": add_bench_chunked,
                                         "disagg": add_bench_disagg,
                                         "prefix": add_bench_prefix,
-                                        "serve": add_bench_serve}
+                                        "serve": add_bench_serve,
+                                        "runtime": add_bench_runtime}
 
 
 def add_bench(sub) -> None:

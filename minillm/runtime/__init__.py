@@ -1,0 +1,8 @@
+"""Inference runtimes (appendix C): a decode step seen as kernels (``profile``) and built once
+for static shapes, then compiled with ``torch.compile`` or captured as CUDA graphs
+(``decoder``). The OpenAI-compatible server is ``minillm.serve``."""
+from .decoder import StaticDecoder, capture_sizes, pad_to_captured
+from .profile import DecodeProfile, categorize, profile_decode
+
+__all__ = ["DecodeProfile", "StaticDecoder", "capture_sizes", "categorize", "pad_to_captured",
+           "profile_decode"]
