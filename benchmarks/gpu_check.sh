@@ -32,5 +32,8 @@ timeout 150 python3 benchmarks/gpu_spec_check.py --out "$res/spec_gpu.json" --bu
 # 6. chapter 08: the tiered KV store's CUDA paths (pinned staging, side-stream layer-by-layer
 #    loads, disk tier, restart) == a cold engine; CacheBlend ratio 1 == full prefill, timings
 timeout 120 python3 benchmarks/gpu_offload_check.py --out "$res/offload_gpu.json" || status=1
+# 7. appendix C: CUDA graphs and torch.compile of the decode step == the generate loop,
+#    batch-1 decode eager / compiled / captured, decode step by batch size, profile
+timeout 200 python3 benchmarks/gpu_runtime_check.py --out "$res/runtime_gpu.json" || status=1
 if [ -n "${OUT:-}" ]; then cp "$res"/*.json "$OUT"/ 2>/dev/null || true; fi
 exit $status

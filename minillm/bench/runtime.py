@@ -78,8 +78,10 @@ def parse_config(name: str) -> Config:
     return Config(name, weights, dtype, "compile" in flags, "graphs" in flags)
 
 
-def build_model(model_name: str, cfg: Config, device: torch.device) -> Transformer:
-    model, _ = load_model(model_name, device=device, dtype=cfg.dtype)
+def build_model(model_name: str, cfg: Config, device: torch.device,
+                random_weights: bool = False) -> Transformer:
+    model, _ = load_model(model_name, device=device, dtype=cfg.dtype,
+                          random_weights=random_weights)
     if cfg.weights in ("int8", "int4"):
         quantize_model(model, cfg.weights)
     return model
@@ -117,12 +119,12 @@ class RuntimeResult:
 
 def batch_1(model_name: str, configs: Sequence[Config], prompt: list[int], new_tokens: int,
             repeats: int, dev: torch.device, threads: int, llama: bool,
-            say: Callable[[str], None]) -> list[RuntimeResult]:
+            say: Callable[[str], None], random_weights: bool = False) -> list[RuntimeResult]:
     """Part 1: every config (and llama.cpp) at batch 1, interleaved."""
     runners, decoders = [], []
     for cfg in configs:
         say(f"building {cfg.name} ...")
-        model = build_model(model_name, cfg, dev)
+        model = build_model(model_name, cfg, dev, random_weights)
         if cfg.compile or cfg.graphs:
             runner, dec = decoder_runner(model, cfg, prompt, new_tokens)
         else:
@@ -169,7 +171,7 @@ def step_ms(dec: StaticDecoder, batch: int, prompt: list[int], steps: int, repea
 
 def batch_sweep(model_name: str, configs: Sequence[Config], batch_sizes: Sequence[int],
                 prompt: list[int], steps: int, repeats: int, dev: torch.device,
-                say: Callable[[str], None]) -> list[dict]:
+                say: Callable[[str], None], random_weights: bool = False) -> list[dict]:
     """Part 2: ms per decode step at each batch size, the eager static step first."""
     rows = []
     sizes = capture_sizes(max(batch_sizes))
@@ -178,7 +180,7 @@ def batch_sweep(model_name: str, configs: Sequence[Config], batch_sizes: Sequenc
     plan = [parse_config(h) for h in heads] + [c for c in configs if c.compile or c.graphs]
     for cfg in plan:
         say(f"batch sweep: {cfg.name} ...")
-        model = build_model(model_name, cfg, dev)
+        model = build_model(model_name, cfg, dev, random_weights)
         dec = StaticDecoder(model, max_len=max_len, max_batch=max(batch_sizes),
                             compile=cfg.compile,
                             cuda_graph_sizes=sizes if cfg.graphs else None)
@@ -194,8 +196,10 @@ def run_runtime_bench(model_name: str = REAL_MODEL, configs: Sequence[str] | Non
                       prompt_len: int = 128, new_tokens: int = 64, repeats: int = 3,
                       batch_sizes: Sequence[int] = (), device: str | torch.device | None = None,
                       threads: int | None = None, llama: bool = True,
-                      log: Callable[[str], None] | None = print) -> dict:
-    """Both parts; the JSON-ready report (``configs`` default: CPU_CONFIGS or GPU_CONFIGS)."""
+                      log: Callable[[str], None] | None = print,
+                      random_weights: bool = False) -> dict:
+    """Both parts; the JSON-ready report (``configs`` default: CPU_CONFIGS or GPU_CONFIGS).
+    ``random_weights``: the model's shape with seeded random weights (where the file is not)."""
     dev = resolve_device(device)
     cfgs = [parse_config(c) for c in (configs or (GPU_CONFIGS if dev.type == "cuda"
                                                   else CPU_CONFIGS))]
@@ -206,7 +210,7 @@ def run_runtime_bench(model_name: str = REAL_MODEL, configs: Sequence[str] | Non
     threads = threads or available_cores()
     torch.set_num_threads(threads)
     say = log or (lambda _msg: None)
-    model, tok = load_model(model_name, device=dev)
+    model, tok = load_model(model_name, device=dev, random_weights=random_weights)
     prompt = bench_prompt(tok, model.cfg.vocab_size, prompt_len)
     del model
     use_llama = llama and dev.type == "cpu" and llama_cpp_available() and (
@@ -214,11 +218,12 @@ def run_runtime_bench(model_name: str = REAL_MODEL, configs: Sequence[str] | Non
     if llama and not use_llama:
         say("llama.cpp skipped: needs the CPU, llama_cpp and a GGUF model")
     results = batch_1(model_name, cfgs, prompt, new_tokens, repeats, dev, threads, use_llama,
-                      say)
-    sweep = batch_sweep(model_name, cfgs, batch_sizes, prompt, 16, repeats, dev, say) \
-        if batch_sizes else []
+                      say, random_weights)
+    sweep = batch_sweep(model_name, cfgs, batch_sizes, prompt, 16, repeats, dev, say,
+                        random_weights) if batch_sizes else []
     return {"benchmark": "runtime", "model": str(model_name), "prompt_len": prompt_len,
-            "new_tokens": new_tokens, "repeats": repeats, **machine_info(dev, threads),
+            "new_tokens": new_tokens, "repeats": repeats, "random_weights": random_weights,
+            **machine_info(dev, threads),
             "cpu_flags": cpu_flags(),
             "method": "batch-1 decode tok/s = (new_tokens-1)/(generate - prefill), greedy, "
                       "EOS ignored, one warm-up (compiles) then the median of `repeats` "
