@@ -17,6 +17,12 @@ def rmsnorm(x, weight, eps):
     return weight * normed.to(x.dtype)
 
 
+def rmsnorm_float64(x, weight, eps):  # statistics in float64: also right
+    x64 = x.double()
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.double() * normed).to(x.dtype)
+
+
 def rope(x, positions, theta):
     """RoPE with complex numbers: the pair (x_i, x_{i+d/2}) is the number x_i + j x_{i+d/2}."""
     d = x.shape[-1]
@@ -165,7 +171,7 @@ def stub(*args):
 
 
 CHECKERS = {
-    "rmsnorm": (ch01.check_rmsnorm, [rmsnorm],
+    "rmsnorm": (ch01.check_rmsnorm, [rmsnorm, rmsnorm_float64],
                 [rmsnorm_no_eps, rmsnorm_mean_not_square, rmsnorm_std, rmsnorm_fp32_out]),
     "rope": (ch01.check_rope, [rope, rope_real],
              [rope_interleaved, rope_wrong_sign, rope_ignores_positions]),

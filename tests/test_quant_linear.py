@@ -68,8 +68,10 @@ def test_int4_linear_in_scale_is_folded_back():
     s = randn(64, seed=3).abs() + 0.5
     q, scale, mn = quantize_int4(w / s, 32)
     lin = Int4Linear(q, scale, mn, 32, in_scale=s)
-    ref = x.double() @ lin.dequantize().double().t()
-    assert rel_err(lin(x), ref) < 1e-2
+    ref = x.double() @ w.double().t()  # the original weight, not the layer's own dequantize()
+    err = rel_err(lin(x), ref)
+    dropped = Int4Linear(q, scale, mn, 32)  # in_scale forgotten: off by the scale itself
+    assert err < 0.2 and rel_err(dropped(x), ref) > 3 * err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -169,10 +169,12 @@ def test_reward_model_learns_the_pairs(model_tok):
     trunk, tok = fresh(model_tok, rank=8)
     rm = RewardModel(trunk)
     rows = load_jsonl("preferences")[:4]
-    hist = train_reward_model(rm, tok, rows, steps=8, batch_size=4, lr=2e-2)
+    hist = train_reward_model(rm, tok, rows, steps=16, batch_size=4, lr=2e-2)
     assert hist["loss"][0] == pytest.approx(math.log(2), rel=1e-4)  # zero head: r_c = r_r
-    assert hist["loss"][-1] < 0.45  # from log 2 = 0.69 at the start
-    assert 0.0 <= reward_accuracy(rm, tok, rows) <= 1.0
+    assert hist["loss"][-1] < 0.3  # from log 2 = 0.69 at the start
+    assert reward_accuracy(rm, tok, rows) == 1.0  # every trained pair ranked right
+    assert reward_accuracy(rm, tok, [{**r, "chosen": r["rejected"], "rejected": r["chosen"]}
+                                     for r in rows]) == 0.0  # and every swapped pair wrong
 
 
 # ----------------------------------------------------------------------------- RL
@@ -196,7 +198,15 @@ def test_rlhf_starts_at_zero_kl_and_moves_the_policy(model_tok):
 
 def test_rlaif_pairs_follow_the_judge(model_tok):
     m, tok = fresh(model_tok)
-    rows = rlaif_pairs(m, tok, ["What is two plus two?", "Name a color."], rule_judge,
-                       max_tokens=16)
-    for r in rows:
+    prompts = ["What is two plus two?", "Name a color."]
+    rows = rlaif_pairs(m, tok, prompts, rule_judge, max_tokens=16)
+    for r in rows:  # the rule judge ties on most samples of this model: rows may be few
         assert constitution_score(r["chosen"]) > constitution_score(r["rejected"])
+
+    def shorter(prompt, a, b):  # a judge that never ties on different answers
+        return -1 if a == b else int(len(b) < len(a))
+
+    rows = rlaif_pairs(m, tok, prompts, shorter, max_tokens=16)
+    assert [r["prompt"] for r in rows] == prompts, "sampled answers should differ"
+    for r in rows:
+        assert len(r["chosen"]) < len(r["rejected"]), r

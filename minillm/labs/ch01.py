@@ -41,7 +41,8 @@ def check_rmsnorm(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor
     cases = [((4, 16), torch.float32, 1e-5, 1.0), ((2, 7, 64), torch.float32, 1e-6, 1e-3),
              ((3, 5, 32), torch.float64, 1e-5, 1.0), ((2, 3, 48), torch.float16, 1e-5, 1.0),
              ((1, 4, 576), torch.bfloat16, 1e-5, 1.0), ((6, 8), torch.float32, 1e-2, 0.05)]
-    tol = {torch.float32: 1e-5, torch.float64: 1e-10, torch.float16: 2e-3,
+    # float64: statistics in float32 (the package) or in float64 are both right
+    tol = {torch.float32: 1e-5, torch.float64: 1e-6, torch.float16: 2e-3,
            torch.bfloat16: 2e-2}
 
     def attempt() -> None:

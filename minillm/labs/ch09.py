@@ -40,6 +40,13 @@ def check_merge(fn: Callable) -> Result:
         want = merge_states(*none, full, full_lse)
         assert torch.allclose(out, want[0]) and torch.allclose(lse, want[1]), (
             "merging with a side that saw no key (lse = -inf, out 0) must return the other side")
+        # both sides empty: no key at all, so out 0 and lse -inf, never NaN
+        out, lse = fn(*none, *none)
+        assert not out.isnan().any() and not lse.isnan().any(), (
+            "merging two sides that saw no key gave NaN: guard the weights when both lse are "
+            "-inf (out must be 0, lse -inf)")
+        assert (out == 0).all() and (lse == float("-inf")).all(), (
+            "merging two sides that saw no key must give out 0 and lse -inf")
 
     return check("merge", attempt)
 
