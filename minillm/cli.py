@@ -180,7 +180,8 @@ def bench_parser(sub, name: str, help: str):
 
 def add_peers(p) -> None:
     p.add_argument("--peers", nargs="+", default=["hf", "llama.cpp"],
-                   help="engines to compare with: hf, llama.cpp, or none")
+                   help="engines to compare with: hf, llama.cpp, vllm (make setup-vllm), or "
+                        "none")
 
 
 def peers_of(args: argparse.Namespace) -> list[str]:
@@ -441,7 +442,7 @@ def add_bench_serve(sub) -> None:
     p.add_argument("--num-requests", type=int, default=NUM_REQUESTS,
                    help="requests per rate (default: %(default)s)")
     p.add_argument("--peers", nargs="+", default=list(PEERS),
-                   help="servers: minillm, llama.cpp (default: %(default)s)")
+                   help="servers: minillm, llama.cpp, vllm (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="minillm's batch (default: "
                                                                   "the engine's)")
     p.add_argument("--seed", type=int, default=0, help="(default: 0)")

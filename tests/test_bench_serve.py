@@ -57,7 +57,7 @@ def test_blocks_free_and_graceful_exit(report):
     blocks = srv["runs"][0]["kv_blocks_after"]
     assert blocks["used"] == 0 and blocks["free"] > 0
     assert srv["exit_code"] in (0, -signal.SIGTERM)     # uvicorn re-raises the signal
-    assert report["vllm"].startswith("skipped")
+    assert report["vllm"].startswith("skipped") or report["vllm"][0].isdigit()  # or a version
 
 
 @pytest.mark.slow

