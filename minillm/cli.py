@@ -476,7 +476,7 @@ def add_bench_runtime(sub) -> None:
 
 def cmd_bench_runtime(args: argparse.Namespace) -> int:
     from .bench.runtime import run_runtime_bench, runtime_table
-    from .viz.bench import plot_runtime
+    from .viz.a3 import plot_runtime
 
     report = run_runtime_bench(args.model, args.configs, args.prompt_len, args.new_tokens,
                                args.repeats, args.batch_sizes, args.device, args.threads,

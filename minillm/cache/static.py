@@ -55,11 +55,15 @@ class StaticKVCache(Cache):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v [b, H_kv, T, hd] at the step's positions; return the whole buffers
         [b, H_kv, max_len, hd] of the step's rows."""
-        kb, vb = self.k[layer][self.rows], self.v[layer][self.rows]
-        index = self.positions[:, None, :, None].expand_as(k)
-        kb.scatter_(2, index, k)
-        vb.scatter_(2, index, v)
-        return kb, vb
+        b, h = k.shape[:2]
+        first, dev = self.rows.start or 0, k.device
+        at = (torch.arange(first, first + b, device=dev)[:, None, None],
+              torch.arange(h, device=dev)[None, :, None], self.positions[:, None, :])
+        # index_put_ into the whole buffer (a write through a row slice would make a compiler
+        # copy the whole buffer back every step)
+        self.k[layer].index_put_(at, k)
+        self.v[layer].index_put_(at, v)
+        return self.k[layer][self.rows], self.v[layer][self.rows]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attn_fn: AttentionFn | None = None) -> torch.Tensor:

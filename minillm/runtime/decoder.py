@@ -48,7 +48,9 @@ def capture_sizes(max_batch: int) -> list[int]:
 class StaticDecoder:
     """Prefill (eager) and decode steps (eager, compiled or replayed) over a static KV cache.
 
-    ``compile``: wrap the step in ``torch.compile`` (``compile_mode`` passed on).
+    ``compile``: wrap the step in ``torch.compile`` (``compile_mode`` passed on); the first
+    batch size compiles a static graph, a second one recompiles once with the batch
+    dimension dynamic (Dynamo's automatic dynamic shapes), later sizes reuse it.
     ``cuda_graph_sizes``: batch sizes whose decode step is captured as a CUDA graph when the
     decoder is built (CUDA only; a compiled step is captured after compiling). Rows 0..b-1 of
     the cache hold the b sequences of the batch.
@@ -68,7 +70,7 @@ class StaticDecoder:
         self.cache = StaticKVCache(cfg, max_batch, self.max_len, self.device, model.dtype)
         self.tokens = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
-        self.step_fn: Callable = torch.compile(self._forward, mode=compile_mode, dynamic=False) \
+        self.step_fn: Callable = torch.compile(self._forward, mode=compile_mode) \
             if compile else self._forward
         self.compiled, self.compile_seconds = compile, 0.0
         self._warm: set[int] = set()

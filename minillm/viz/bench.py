@@ -380,32 +380,3 @@ def plot_serve(report: dict):
     fig.tight_layout()
     return fig
 
-
-def plot_runtime(report: dict):
-    """Batch-1 decode tokens/s per config (llama.cpp hatched); with a batch sweep, a second
-    panel of decode tokens/s against batch size per config."""
-    rows = report["results"]
-    sweep = report.get("batch_sweep") or []
-    fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(11 if sweep else 7, 4),
-                             squeeze=False)
-    ax = axes[0, 0]
-    bars = ax.barh([r["config"] for r in rows], [r["decode_tok_s"] for r in rows],
-                   color=["C1" if r["config"] == "llama.cpp" else
-                          "C2" if r["compiled"] or r["graphs"] else "C0" for r in rows])
-    ax.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("decode tokens / s (batch 1)")
-    ax.set_title("eager (blue), compiled or captured (green), llama.cpp (orange)", fontsize=9)
-    if sweep:
-        ax = axes[0, 1]
-        for name in dict.fromkeys(r["config"] for r in sweep):
-            pts = [r for r in sweep if r["config"] == name]
-            ax.plot([r["batch"] for r in pts], [r["tok_s"] for r in pts], "o-", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("decode tokens / s")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"{report['model']} on {report['device']} (threads={report['threads']})",
-                 fontsize=10)
-    fig.tight_layout()
-    return fig
