@@ -16,6 +16,7 @@ size (:func:`~minillm.runtime.pad_to_captured`).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -210,6 +211,7 @@ def run_runtime_bench(model_name: str = REAL_MODEL, configs: Sequence[str] | Non
     threads = threads or available_cores()
     torch.set_num_threads(threads)
     say = log or (lambda _msg: None)
+    load_at_start = os.getloadavg()[0]
     model, tok = load_model(model_name, device=dev, random_weights=random_weights)
     prompt = bench_prompt(tok, model.cfg.vocab_size, prompt_len)
     del model
@@ -224,7 +226,7 @@ def run_runtime_bench(model_name: str = REAL_MODEL, configs: Sequence[str] | Non
     return {"benchmark": "runtime", "model": str(model_name), "prompt_len": prompt_len,
             "new_tokens": new_tokens, "repeats": repeats, "random_weights": random_weights,
             **machine_info(dev, threads),
-            "cpu_flags": cpu_flags(),
+            "cpu_flags": cpu_flags(), "load_average": [load_at_start, os.getloadavg()[0]],
             "method": "batch-1 decode tok/s = (new_tokens-1)/(generate - prefill), greedy, "
                       "EOS ignored, one warm-up (compiles) then the median of `repeats` "
                       "interleaved rounds; batch sweep: median ms of 16 decode steps",

@@ -28,6 +28,11 @@ from ..model.transformer import Transformer
 from ..sampling import make_generator, sample
 
 
+#: Dynamo's per-function recompile limit while compiled decoders exist (its default, 8, is
+#: reached by a few decoders of a benchmark: past it a step silently runs eagerly)
+RECOMPILE_LIMIT = 64
+
+
 def pad_to_captured(n: int, sizes: Sequence[int]) -> int:
     """The smallest size in ``sizes`` that holds a batch of ``n`` (ValueError if none)."""
     if n < 1:
@@ -70,6 +75,9 @@ class StaticDecoder:
         self.cache = StaticKVCache(cfg, max_batch, self.max_len, self.device, model.dtype)
         self.tokens = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
+        if compile:  # every decoder compiles the same code object: allow one entry per size
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         self.step_fn: Callable = torch.compile(self._forward, mode=compile_mode) \
             if compile else self._forward
         self.compiled, self.compile_seconds = compile, 0.0

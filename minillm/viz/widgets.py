@@ -8,6 +8,10 @@ Chapter 08: :func:`radix_stepper`, Play / a slider through the frames of
 :func:`minillm.viz.ch08.radix_frames` (requests entering and leaving the engine's radix prefix
 cache: hits, evictions), the tree after each event. Widgets only live in a running kernel: a
 notebook shows :func:`minillm.viz.ch08.plot_radix_steps` next to it for a static copy.
+
+Appendix C: :func:`serving_explorer`, a slider over the request rates of the serving benchmark
+(``serve.json``): every server at that rate (:func:`minillm.viz.a3.plot_serving_at`, which the
+notebook also shows as a static copy).
 """
 from __future__ import annotations
 
@@ -83,4 +87,33 @@ def radix_stepper(frames, label=None, interval_ms: int = 1500):
     return widgets.VBox([widgets.HBox([play, slider]), out])
 
 
-__all__ = ["block_tables_text", "memory_explorer", "radix_stepper"]
+def serving_explorer(report: dict):
+    """A slider over the rates of a serving report: TTFT, TPOT and SLO attainment of every
+    server that ran, at the chosen rate."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    from .a3 import plot_serving_at, ran_servers
+
+    ran, _ = ran_servers(report)
+    rates = sorted({r["rate"] for s in ran["servers"].values() for r in s["runs"]})
+    if not rates:
+        raise ValueError("the report has no server with runs: run `python -m minillm bench "
+                         "serve` first")
+    slider = widgets.SelectionSlider(options=rates, value=rates[len(rates) // 2],
+                                     description="req/s", continuous_update=False)
+    out = widgets.Output()
+
+    def show(change=None) -> None:
+        with out:
+            out.clear_output(wait=True)
+            fig = plot_serving_at(report, slider.value)
+            display(fig)
+            plt.close(fig)
+
+    slider.observe(show, names="value")
+    show()
+    return widgets.VBox([slider, out])
+
+
+__all__ = ["block_tables_text", "memory_explorer", "radix_stepper", "serving_explorer"]

@@ -1,0 +1,202 @@
+"""Appendix C checkers: reference solutions pass, wrong ones fail, untouched stubs are "TODO"."""
+from __future__ import annotations
+
+import json
+import random
+
+from lab_checks import checker_tests
+
+from minillm.course.ch04_workload import poisson_arrivals as package_arrivals
+from minillm.labs import a3
+from minillm.runtime import pad_to_captured as package_pad
+
+# --- reference solutions (the teacher's key), written from the rules ---------------------------
+
+
+def matmul_launches(num_layers, fused_qkv, fused_gate_up):
+    attention = 2 if fused_qkv else 4            # q, k, v, o  or  qkv, o
+    mlp = 2 if fused_gate_up else 3              # gate, up, down  or  gate_up, down
+    return num_layers * (attention + mlp) + 1    # + the LM head
+
+
+def pad_to_captured(n, sizes):
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    for s in sorted(sizes):
+        if s >= n:
+            return s
+    raise ValueError(f"no captured size holds {n}")
+
+
+def padding_waste(batch_sizes, sizes):
+    run = sum(pad_to_captured(b, sizes) for b in batch_sizes)
+    return (run - sum(batch_sizes)) / run
+
+
+def parse_sse(lines):
+    text, usage = "", None
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            break
+        if data:
+            event = json.loads(data)
+            for c in event["choices"]:
+                if c["index"] == 0:
+                    text += c["delta"].get("content") or ""
+            usage = event.get("usage") or usage
+    return text, usage
+
+
+def goodput(ttft, tpot, slo, duration_s):
+    met = sum(a <= slo.ttft_s and b <= slo.tpot_s for a, b in zip(ttft, tpot))
+    return met / len(ttft), met / duration_s
+
+
+def poisson_arrivals(num_requests, rate, seed):
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(num_requests):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# --- plausible mistakes ----------------------------------------------------------------------
+
+
+def launches_without_lm_head(num_layers, fused_qkv, fused_gate_up):
+    return matmul_launches(num_layers, fused_qkv, fused_gate_up) - 1
+
+
+def first_fit_unsorted(n, sizes):
+    """The first size that fits in the given order, not the smallest."""
+    for s in sizes:
+        if s >= n:
+            return s
+    raise ValueError(n)
+
+
+def pad_to_largest_when_too_big(n, sizes):
+    """Runs an oversized batch in the largest graph instead of refusing it."""
+    fits = [s for s in sizes if s >= n]
+    return min(fits) if fits else max(sizes)
+
+
+def waste_over_real_rows(batch_sizes, sizes):
+    """Padding divided by the real rows, not by the rows computed."""
+    return sum(pad_to_captured(b, sizes) - b for b in batch_sizes) / sum(batch_sizes)
+
+
+def parse_sse_text_after_done(lines):
+    """Forgets that [DONE] ends the stream (and stops only on parse errors)."""
+    return parse_sse([ln for ln in lines if ln.strip() != "data: [DONE]"])
+
+
+def parse_sse_no_usage_chunk(lines):
+    """Reads usage only from chunks that also carry choices."""
+    text, usage = "", None
+    for line in lines:
+        data = line[5:].strip() if line.startswith("data:") else ""
+        if data == "[DONE]":
+            break
+        if data:
+            event = json.loads(data)
+            if event["choices"]:
+                text += event["choices"][0]["delta"].get("content") or ""
+                usage = event.get("usage") or usage
+    return text, usage
+
+
+def goodput_either_slo(ttft, tpot, slo, duration_s):
+    met = sum(a <= slo.ttft_s or b <= slo.tpot_s for a, b in zip(ttft, tpot))
+    return met / len(ttft), met / duration_s
+
+
+def goodput_strict(ttft, tpot, slo, duration_s):
+    """A request exactly at the limit counted as a miss."""
+    met = sum(a < slo.ttft_s and b < slo.tpot_s for a, b in zip(ttft, tpot))
+    return met / len(ttft), met / duration_s
+
+
+def uniform_gaps(num_requests, rate, seed):
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(num_requests):
+        out.append(t)
+        t += rng.uniform(0, 2 / rate)
+    return out
+
+
+def rate_as_mean_gap(num_requests, rate, seed):
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(num_requests):
+        out.append(t)
+        t += rng.expovariate(1 / rate)
+    return out
+
+
+CHECKS = [(a3.check_matmul_launches, matmul_launches, launches_without_lm_head),
+          (a3.check_pad_to_captured, pad_to_captured, first_fit_unsorted),
+          (a3.check_pad_to_captured, pad_to_captured, pad_to_largest_when_too_big),
+          (a3.check_padding_waste, padding_waste, waste_over_real_rows),
+          (a3.check_parse_sse, parse_sse, parse_sse_text_after_done),
+          (a3.check_parse_sse, parse_sse, parse_sse_no_usage_chunk),
+          (a3.check_goodput, goodput, goodput_either_slo),
+          (a3.check_goodput, goodput, goodput_strict),
+          (a3.check_poisson_arrivals, poisson_arrivals, uniform_gaps),
+          (a3.check_poisson_arrivals, poisson_arrivals, rate_as_mean_gap)]
+test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = checker_tests(
+    CHECKS, ids=["launches-no-lm-head", "pad-first-fit", "pad-no-refusal", "waste-over-real",
+                 "sse-after-done", "sse-usage-chunk", "goodput-or", "goodput-strict",
+                 "poisson-uniform", "poisson-rate-as-gap"])
+
+
+def test_package_versions_pass_their_checkers():
+    assert a3.check_pad_to_captured(package_pad).passed is True
+    assert a3.check_poisson_arrivals(package_arrivals).passed is True
+
+
+def test_captured_stream_is_a_real_server_stream():
+    text, usage = a3.parse_sse(a3.CAPTURED_CHAT_STREAM)
+    assert text and usage["completion_tokens"] > 0
+    assert [ln for ln in a3.CAPTURED_CHAT_STREAM if ln][-1] == "data: [DONE]"
+    assert any('"choices": []' in ln for ln in a3.CAPTURED_CHAT_STREAM)   # the usage-only chunk
+
+
+def test_checker_references_agree_with_the_keys():
+    rng = random.Random(2)
+    for _ in range(100):
+        sizes = sorted(rng.sample(range(1, 40), rng.randint(1, 5)))
+        batches = [rng.randint(1, max(sizes)) for _ in range(rng.randint(1, 8))]
+        assert abs(a3.padding_waste(batches, sizes) - padding_waste(batches, sizes)) < 1e-12
+    for lines in a3._sse_cases():
+        assert a3.parse_sse(lines) == parse_sse(lines)
+
+
+# --- the chapter's data and plots ----------------------------------------------------------------
+
+
+def test_comparison_table_and_plots():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from minillm.course import a3_runtimes as course
+    from minillm.viz import a3 as v
+
+    table = course.comparison_markdown()
+    assert table.count("\n") == len(course.SYSTEMS) + 1
+    assert all(name in table for name in course.SYSTEMS)
+    assert all(src.startswith("https://") for s in course.SYSTEMS.values() for src in s["sources"])
+    fig = v.plot_categories({"matmul": 2.0, "attention": 0.5, "other": 0.1})
+    assert len(fig.axes) == 1
+    report = {"rows": [{"name": "eager", "decode_tok_s": 10.0, "step_ms": 100.0},
+                       {"name": "compiled", "decode_tok_s": 20.0, "step_ms": 50.0}]}
+    assert len(v.plot_runtime(report).axes) == 2
+    serve = {"slo": {"ttft_s": 2.0, "tpot_s": 0.2},
+             "workload": {"num_requests": 2}, "machine": {"device": "cpu", "threads": 2},
+             "servers": {"a": {"runs": [
+                 {"rate": r, "ttft_p50": 0.1, "ttft_p99": 0.2, "tpot_p50": 0.05,
+                  "tpot_p99": 0.06, "output_tok_s": 10 * r, "attainment": 1.0}
+                 for r in (1.0, 2.0)]}, "vllm": {"skipped": "not installed"}}}
+    assert len(v.plot_serving(serve).axes) == 4
