@@ -10,8 +10,13 @@ from minillm.bench.runtime import parse_config, run_runtime_bench, runtime_table
 from minillm.cache import KVCache
 from minillm.cache.static import StaticKVCache
 from minillm.generate import generate
-from minillm.runtime import StaticDecoder, capture_sizes, categorize, pad_to_captured, \
-    profile_decode
+from minillm.runtime import (
+    StaticDecoder,
+    capture_sizes,
+    categorize,
+    pad_to_captured,
+    profile_decode,
+)
 
 GREEDY = minillm.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -32,7 +32,6 @@ from ..device import resolve_device, sync
 from ..model.transformer import Transformer
 from ..quant.quantize import quantize_model
 from ..runtime import StaticDecoder, capture_sizes
-from .decode import common_prefix
 from .common import (
     Runner,
     available_cores,
@@ -46,6 +45,7 @@ from .common import (
     minillm_runner,
     rates,
 )
+from .decode import common_prefix
 
 WEIGHTS = ("fp32", "bf16", "int8", "int4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

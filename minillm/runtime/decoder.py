@@ -27,7 +27,6 @@ from ..device import sync
 from ..model.transformer import Transformer
 from ..sampling import make_generator, sample
 
-
 #: Dynamo's per-function recompile limit while compiled decoders exist (its default, 8, is
 #: reached by a few decoders of a benchmark: past it a step silently runs eagerly)
 RECOMPILE_LIMIT = 64
