@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm lab test test-fast notebooks bench drafters lint clean
+.PHONY: setup setup-vllm lab test test-fast solutions notebooks bench drafters lint clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,11 @@ test: setup
 
 test-fast: setup
 	$(BIN)/python -m pytest tests -q -m "not slow"
+
+# The teacher's key: every exercise checker run against its reference solution
+# (minillm/labs/solutions/, one module per chapter).
+solutions: setup
+	$(BIN)/python -m minillm.labs.solutions
 
 # Re-run every chapter at full size and store its outputs (what readers see on the web).
 notebooks: setup

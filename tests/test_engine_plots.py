@@ -100,3 +100,24 @@ def test_plots_and_widget_build(tiny):
     assert all(isinstance(f, matplotlib.figure.Figure) for f in figs)
     assert "block table" in widgets.block_tables_text(snaps[0])
     assert widgets.memory_explorer(snaps).children
+
+
+def test_explore_redraws_on_change():
+    import matplotlib.pyplot as plt
+
+    from minillm.viz import widgets
+
+    calls = []
+
+    def plot(size, scale):
+        calls.append((size, scale))
+        fig, ax = plt.subplots()
+        ax.plot([0, size * scale])
+        return fig
+
+    box = widgets.explore(plot, size=[1, 2, 4], scale=3)
+    assert calls == [(2, 3)]  # the middle value; a single value stays fixed
+    box.children[0].value = 4
+    assert calls[-1] == (4, 3)
+    with pytest.raises(ValueError, match="size"):
+        widgets.explore(plot, size=[], scale=3)

@@ -6,29 +6,11 @@ import math
 from lab_checks import checker_tests
 
 from minillm.labs import a2
-
-# --- reference solutions (written from the rules, not from minillm.course.a2_roofline)
-# ----------------
-
-
-def blocks_per_sm(threads, regs, smem):
-    warps = math.ceil(threads / 32)
-    regs_per_warp = math.ceil(regs * 32 / 256) * 256
-    smem_per_block = math.ceil((smem + 1024) / 128) * 128
-    limits = [64 // warps, 32, 228 * 1024 // smem_per_block]
-    if regs_per_warp:
-        limits.append(65536 // (regs_per_warp * warps))
-    return min(limits)
-
-
-def matmul_intensity(m, n, k, bytes_per_elem):
-    return 2 * m * n * k / ((m * k + k * n + m * n) * bytes_per_elem)
-
-
-def compute_bound_size(bandwidth, peak_flops, bytes_per_elem):
-    # 2n^3 / (3 n^2 b) >= peak / bw  <=>  n >= 1.5 b peak / bw
-    return math.ceil(1.5 * bytes_per_elem * peak_flops / bandwidth - 1e-9)
-
+from minillm.labs.solutions.a2 import (
+    blocks_per_sm,
+    compute_bound_size,
+    matmul_intensity,
+)
 
 # --- wrong solutions -----------------------------------------------------------------------
 

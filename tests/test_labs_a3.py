@@ -8,60 +8,15 @@ from lab_checks import checker_tests
 
 from minillm.course.ch04_workload import poisson_arrivals as package_arrivals
 from minillm.labs import a3
+from minillm.labs.solutions.a3 import (
+    goodput,
+    matmul_launches,
+    pad_to_captured,
+    padding_waste,
+    parse_sse,
+    poisson_arrivals,
+)
 from minillm.runtime import pad_to_captured as package_pad
-
-# --- reference solutions (the teacher's key), written from the rules ---------------------------
-
-
-def matmul_launches(num_layers, fused_qkv, fused_gate_up):
-    attention = 2 if fused_qkv else 4            # q, k, v, o  or  qkv, o
-    mlp = 2 if fused_gate_up else 3              # gate, up, down  or  gate_up, down
-    return num_layers * (attention + mlp) + 1    # + the LM head
-
-
-def pad_to_captured(n, sizes):
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    for s in sorted(sizes):
-        if s >= n:
-            return s
-    raise ValueError(f"no captured size holds {n}")
-
-
-def padding_waste(batch_sizes, sizes):
-    run = sum(pad_to_captured(b, sizes) for b in batch_sizes)
-    return (run - sum(batch_sizes)) / run
-
-
-def parse_sse(lines):
-    text, usage = "", None
-    for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[len("data:"):].strip()
-        if data == "[DONE]":
-            break
-        if data:
-            event = json.loads(data)
-            for c in event["choices"]:
-                if c["index"] == 0:
-                    text += c["delta"].get("content") or ""
-            usage = event.get("usage") or usage
-    return text, usage
-
-
-def goodput(ttft, tpot, slo, duration_s):
-    met = sum(a <= slo.ttft_s and b <= slo.tpot_s for a, b in zip(ttft, tpot))
-    return met / len(ttft), met / duration_s
-
-
-def poisson_arrivals(num_requests, rate, seed):
-    rng, t, out = random.Random(seed), 0.0, []
-    for _ in range(num_requests):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
-
 
 # --- plausible mistakes ----------------------------------------------------------------------
 

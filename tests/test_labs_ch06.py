@@ -5,40 +5,12 @@ import torch
 from lab_checks import checker_tests
 
 from minillm.labs import ch06
-
-# --- reference solutions (the teacher's key, written from the chapter's text) ----------------
-
-
-def greedy_accept(draft, target_argmax):
-    a = 0
-    while a < len(draft) and draft[a] == target_argmax[a]:
-        a += 1
-    return a, target_argmax[a]
-
-
-def rejection_step(draft_token, q, p, u, generator):
-    if u * q[draft_token] < p[draft_token]:          # u < p/q, no division by zero
-        return True, draft_token
-    residual = (p - q).clamp_min(0)
-    return False, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-
-
-def prompt_lookup(tokens, k, max_n):
-    for n in range(min(max_n, len(tokens) - 1), 0, -1):
-        tail = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == tail:
-                return tokens[start + n:start + n + k]
-    return []
-
-
-def tree_mask(parents):
-    n = len(parents) + 1
-    mask = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents, start=1):
-        mask[i] |= mask[p]
-    return mask
-
+from minillm.labs.solutions.ch06 import (
+    greedy_accept,
+    prompt_lookup,
+    rejection_step,
+    tree_mask,
+)
 
 # --- wrong solutions -----------------------------------------------------------------------
 

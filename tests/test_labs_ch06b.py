@@ -6,39 +6,10 @@ import heapq
 from lab_checks import checker_tests
 
 from minillm.labs import ch06b
-
-# --- reference solutions (the teacher's key, written from the chapter's text) ----------------
-
-
-def best_first_tree(logps, budget):
-    # Pop the best prefix; push its children (every candidate of the next depth).
-    parents, picks = [], []
-    frontier = [(-logps[0][r], 0, (r,)) for r in range(len(logps[0]))] if logps else []
-    heapq.heapify(frontier)
-    while frontier and len(parents) < budget:
-        neg, parent, path = heapq.heappop(frontier)
-        parents.append(parent)
-        picks.append((len(path) - 1, path[-1]))
-        node, d = len(parents), len(path)
-        if d < len(logps):
-            for r, lp in enumerate(logps[d]):
-                heapq.heappush(frontier, (neg - lp, node, path + (r,)))
-    return parents, picks
-
-
-def fill_budget(confidences, budget):
-    # Every token's worth is its prefix probability; take the `budget` best (they form prefixes).
-    worth = []
-    for s, c in enumerate(confidences):
-        p = 1.0
-        for x in c:
-            p *= x
-            worth.append((-p, s))
-    keep = [0] * len(confidences)
-    for _, s in sorted(worth)[:budget]:
-        keep[s] += 1
-    return keep
-
+from minillm.labs.solutions.ch06b import (
+    best_first_tree,
+    fill_budget,
+)
 
 # --- wrong solutions -----------------------------------------------------------------------
 

@@ -2,30 +2,16 @@
 from __future__ import annotations
 
 from minillm.labs import ch07
+from minillm.labs.solutions.ch07 import (
+    goodput,
+    schedule_step,
+)
 
 # --- reference solutions (the teacher's key) -------------------------------------------------
 
 
-def schedule_step(decoding, prompts, budget):
-    plan = {rid: 1 for rid in decoding}
-    room = budget - len(decoding)
-    for rid, left in prompts:
-        n = min(left, room)
-        if n <= 0:
-            break
-        plan[rid] = n
-        room -= n
-    return plan
 
 
-def goodput(curve, ttft_slo, tpot_slo, attainment):
-    good = 0.0
-    for rate, reqs in sorted(curve):
-        ok = sum(a <= ttft_slo and b <= tpot_slo for a, b in reqs) / len(reqs)
-        if ok < attainment:
-            break
-        good = rate
-    return good
 
 
 # --- wrong solutions ---------------------------------------------------------------------

@@ -1,38 +1,11 @@
 """Chapter 09 checkers: reference solutions pass, wrong ones fail, untouched stubs are "TODO"."""
 from __future__ import annotations
 
-import math
-
 import torch
 from lab_checks import checker_tests
 
 from minillm.labs import ch09
-
-# --- reference solutions -------------------------------------------------------------------
-
-
-def merge(out_a, lse_a, out_b, lse_b):
-    lse = torch.logaddexp(lse_a, lse_b)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return (torch.exp(lse_a - safe)[..., None] * out_a
-            + torch.exp(lse_b - safe)[..., None] * out_b), lse
-
-
-def rank_work(seq_len, world_size, layout):
-    shard = math.ceil(seq_len / world_size)
-    work = []
-    for r in range(world_size):
-        mine = (range(r * shard, min((r + 1) * shard, seq_len)) if layout == "contiguous"
-                else range(r, seq_len, world_size))
-        work.append(sum(i + 1 for i in mine))  # query i sees keys 0..i
-    return work
-
-
-def seq_to_heads(shards):
-    p = len(shards)
-    h = shards[0].shape[1] // p
-    return [torch.cat([s[:, r * h:(r + 1) * h] for s in shards], dim=2) for r in range(p)]
-
+from minillm.labs.solutions import ch09 as key
 
 # --- wrong solutions -----------------------------------------------------------------------
 
@@ -60,10 +33,10 @@ def seq_to_heads_wrong_order(shards):
 
 
 CHECKS = [
-    (ch09.check_merge, merge, merge_average),
-    (ch09.check_merge, merge, merge_unguarded),
-    (ch09.check_rank_work, rank_work, rank_work_blocks),
-    (ch09.check_ulysses_all_to_all, seq_to_heads, seq_to_heads_wrong_order),
+    (ch09.check_merge, key.merge, merge_average),
+    (ch09.check_merge, key.merge, merge_unguarded),
+    (ch09.check_rank_work, key.rank_work, rank_work_blocks),
+    (ch09.check_ulysses_all_to_all, key.seq_to_heads, seq_to_heads_wrong_order),
 ]
 IDS = ["merge", "merge_both_sides_empty", "rank_work", "ulysses"]
 

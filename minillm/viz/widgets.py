@@ -12,6 +12,8 @@ notebook shows :func:`minillm.viz.ch08.plot_radix_steps` next to it for a static
 Appendix C: :func:`serving_explorer`, a slider over the request rates of the serving benchmark
 (``serve.json``): every server at that rate (:func:`minillm.viz.a3.plot_serving_at`, which the
 notebook also shows as a static copy).
+
+Any chapter: :func:`explore`, one control per keyword argument of a ``plot_*`` function.
 """
 from __future__ import annotations
 
@@ -116,4 +118,39 @@ def serving_explorer(report: dict):
     return widgets.VBox([slider, out])
 
 
-__all__ = ["block_tables_text", "memory_explorer", "radix_stepper", "serving_explorer"]
+def explore(plot, **choices):
+    """Controls for the keyword arguments of ``plot`` (a function returning a Figure) and the
+    figure they give, redrawn on every change. Each choice is a list or tuple of values (a
+    SelectionSlider starting at the middle value) or a single value (fixed). Widgets only live in
+    a running kernel: show ``plot(...)`` at the default values too, as the static copy.
+
+    e.g. ``explore(viz.a1.plot_group_error, group_size=[16, 32, 64, 128], bits=[4, 8])``"""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    controls = {}
+    for name, values in choices.items():
+        if isinstance(values, (list, tuple)):
+            if not values:
+                raise ValueError(f"{name} must list at least one value")
+            controls[name] = widgets.SelectionSlider(options=list(values),
+                                                     value=values[len(values) // 2],
+                                                     description=name, continuous_update=False)
+    out = widgets.Output()
+
+    def show(change=None) -> None:
+        kwargs = {**choices, **{n: c.value for n, c in controls.items()}}
+        with out:
+            out.clear_output(wait=True)
+            fig = plot(**kwargs)
+            display(fig)
+            plt.close(fig)
+
+    for control in controls.values():
+        control.observe(show, names="value")
+    show()
+    return widgets.VBox([*controls.values(), out])
+
+
+__all__ = ["block_tables_text", "explore", "memory_explorer", "radix_stepper",
+           "serving_explorer"]
