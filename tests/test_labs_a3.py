@@ -145,8 +145,10 @@ def test_comparison_table_and_plots():
     assert all(src.startswith("https://") for s in course.SYSTEMS.values() for src in s["sources"])
     fig = v.plot_categories({"matmul": 2.0, "attention": 0.5, "other": 0.1})
     assert len(fig.axes) == 1
-    report = {"rows": [{"name": "eager", "decode_tok_s": 10.0, "step_ms": 100.0},
-                       {"name": "compiled", "decode_tok_s": 20.0, "step_ms": 50.0}]}
+    report = {"results": [{"config": "fp32", "decode_tok_s": 10.0, "step_ms": 100.0},
+                          {"config": "fp32+compile", "decode_tok_s": 20.0, "step_ms": 50.0}],
+              "batch_sweep": [{"config": "fp32", "batch": b, "step_ms": 10.0 * b}
+                              for b in (1, 4)]}
     assert len(v.plot_runtime(report).axes) == 2
     serve = {"slo": {"ttft_s": 2.0, "tpot_s": 0.2},
              "workload": {"num_requests": 2}, "machine": {"device": "cpu", "threads": 2},

@@ -116,3 +116,14 @@ def test_kernels_import_from_a_plain_checkout(tmp_path):
     proc = _run_from_plain_checkout(tmp_path, code)
     assert proc.returncode == 0, proc.stderr
     assert Path(proc.stdout.strip()) == tmp_path / "kernels" / "flash_attention.py"
+
+
+def test_pyproject_lists_every_subpackage():
+    """A folder missing from pyproject's ``packages`` works in an editable install and is
+    silently left out of a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {module_name(p) for p in PACKAGE.rglob("__init__.py")} | {"minillm.kernels"}
+    assert found - listed == set(), f"add {sorted(found - listed)} to pyproject's packages"

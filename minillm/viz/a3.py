@@ -34,9 +34,9 @@ def plot_categories(by_category: dict[str, float], title: str = "one decode step
 
 
 def runtime_rows(report: dict) -> list[dict]:
-    """The batch-1 rows of a runtime report, each with a ``name`` (its config)."""
-    rows = report.get("results") or report.get("rows") or []
-    return [{**r, "name": r.get("name") or r.get("config")} for r in rows]
+    """The batch-1 rows of a runtime report (``bench runtime``), each with a ``name``: its
+    config."""
+    return [{**r, "name": r["config"]} for r in report["results"]]
 
 
 def plot_runtime(report: dict):
