@@ -50,9 +50,10 @@ test-fast: setup
 solutions: setup
 	$(BIN)/python -m minillm.labs.solutions
 
-# Re-run every chapter at full size and store its outputs (what readers see on the web).
+# Re-run every chapter at full size and store its outputs (what readers see on the web); the
+# time and load average of each run go to benchmarks/results/notebooks.json.
 notebooks: setup
-	$(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=3600 chapters/*.ipynb
+	$(BIN)/python benchmarks/execute_notebooks.py
 
 bench: setup
 	$(BIN)/python -m minillm bench decode
