@@ -239,6 +239,8 @@ def add_bench_throughput(sub) -> None:
     p.add_argument("--num-requests", type=int, default=64, help="requests (default: 64)")
     p.add_argument("--hf-batch", type=int, default=32, help="HF static batch (default: 32)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch (default: 64)")
+    p.add_argument("--profile-steps", type=int, default=5,
+                   help="profile this many of minillm's batched decode steps (0: none)")
     add_peers(p)
     p.set_defaults(func=cmd_bench_throughput)
 
@@ -249,7 +251,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
     report = run_throughput_bench(args.model, args.num_requests, args.dtype, args.device,
                                         args.hf_batch, peers_of(args), threads=args.threads,
-                                        say=log_to_stderr, max_num_seqs=args.max_num_seqs)
+                                        say=log_to_stderr, profile_steps=args.profile_steps,
+                                        max_num_seqs=args.max_num_seqs)
     return write_report(args, report, throughput_table(report), plot_throughput)
 
 

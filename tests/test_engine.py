@@ -313,6 +313,9 @@ def test_throughput_bench_counts_every_requested_token(tmp_path):
     assert report["prompt_tokens"] == prompt_tokens
     assert stats["computed_tokens"] == prompt_tokens + sum(work.output_lens) - 4
     assert [r["engine"] for r in report["results"]] == ["minillm", "hf"]
+    step = report["minillm_step_profile"]           # a decode step with every seat taken
+    assert step["batch"] == 3 and step["ms_by_category"]["attention"] > 0
+    assert step["wall_ms_per_step"] >= step["op_ms_per_step"] - 1e-6
     assert set(report["ratios"]) == {"minillm/hf"} and report["dtype"] == "float32"
     assert "minillm/hf" in throughput_table(report)
     assert plot_throughput(report).axes

@@ -16,6 +16,7 @@ from minillm.runtime import (
     categorize,
     pad_to_captured,
     profile_decode,
+    profile_engine_steps,
 )
 
 GREEDY = minillm.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -110,6 +111,24 @@ def test_profile_counts_every_linear_of_a_step(tiny, tmp_path):
     assert "matmul" in prof.table()
     trace = json.loads(prof.export_trace(tmp_path / "t.json").read_text())
     assert trace["traceEvents"]
+
+
+def test_engine_step_profile_sees_one_batched_attention_per_layer(tiny):
+    """Three decoding sequences share one padded group: one SDPA call per layer and step; the
+    profile stops when the engine runs out of work, counting only the steps it ran."""
+    from minillm.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(tiny, None, EngineConfig(num_kv_blocks=32, block_size=4))
+    for ids in prompts(tiny):
+        engine.add_request(ids, minillm.SamplingParams(temperature=0.0, max_tokens=4,
+                                                       ignore_eos=True))
+    engine.step()                                         # prefill all three
+    prof = profile_engine_steps(engine, steps=50)
+    assert prof.steps == 3 and not engine.has_unfinished()
+    sdpa = [r for r in prof.rows if r["name"] == "aten::scaled_dot_product_attention"]
+    assert sdpa and sdpa[0]["calls"] == tiny.cfg.n_layers
+    with pytest.raises(ValueError, match="no request"):
+        profile_engine_steps(engine)
 
 
 def test_categorize():

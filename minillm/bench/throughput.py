@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -101,6 +102,37 @@ def run_minillm(model, tok, work: Workload, **options) -> dict:
     return stats
 
 
+def profile_minillm(model, tok, work: Workload, steps: int = 5, **options) -> dict | None:
+    """Where a batched decode step of the workload goes: admit every request, step until none
+    waits or prefills, then profile ``steps`` decode steps (:func:`profile_engine_steps`).
+    Milliseconds per step by operator category; ``python_ms`` is the wall time per step that no
+    operator accounts for (scheduling, metadata, sampling, detokenizing). None if the workload
+    finishes before every request it can batch is decoding."""
+    from ..runtime import profile_engine_steps
+
+    engine = LLMEngine(model, tok, EngineConfig(**options))
+    for p, n in zip(work.prompts, work.output_lens):
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    full = min(len(work.prompts), engine.config.max_num_seqs)
+
+    def decoding() -> list:
+        seqs = [s for r in engine.scheduler.running for s in r.seqs]
+        return seqs if all(s.num_computed == len(s.token_ids) - 1 for s in seqs) else []
+
+    while engine.has_unfinished() and len(decoding()) < full:
+        engine.step()
+    batch = len(decoding())
+    if not batch:
+        return None
+    start = time.perf_counter()
+    prof = profile_engine_steps(engine, steps)
+    wall_ms = (time.perf_counter() - start) * 1e3 / prof.steps
+    by_cat = {k: round(v, 2) for k, v in prof.by_category().items()}
+    return {"steps": steps, "batch": batch, "wall_ms_per_step": round(wall_ms, 2),
+            "op_ms_per_step": round(prof.step_ms, 2), "ms_by_category": by_cat,
+            "python_ms": round(max(wall_ms - prof.step_ms, 0.0), 2), "top_ops": prof.rows[:8]}
+
+
 @torch.inference_mode()
 def run_hf(hf_model, work: Workload, batch: int, pad_id: int) -> None:
     """Static batching: left-padded batches in arrival order, each to its longest output."""
@@ -152,11 +184,12 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
                          hf_batch: int = 32, peers=("hf", "llama.cpp"), seed: int = 0,
                          threads: int | None = None, random_weights: bool = False,
                          prompt_range=(32, 512), output_range=(32, 256), say=print,
-                         **engine_options) -> dict:
+                         profile_steps: int = 5, **engine_options) -> dict:
     """Run the workload through minillm and the peers; returns the report (JSON-ready).
     ``random_weights``: the model's shape with seeded random weights (GPU machines without the
     model file); HF then gets the same weights through
-    :func:`minillm.checkpoint.hf_interop.to_hf_model`."""
+    :func:`minillm.checkpoint.hf_interop.to_hf_model`. ``profile_steps``: then profile that
+    many of minillm's batched decode steps (:func:`profile_minillm`; 0: skip)."""
     dev = resolve_device(device)
     dt, dtype_reason = serving_dtype(dtype, dev)
     if threads:
@@ -170,6 +203,12 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
     results = [timed_run("minillm", dtype_name(dt), "continuous batching, paged KV", work, dev,
                      lambda: stats.update(run_minillm(model, tok, work, **engine_options)))]
     say(f"minillm: {results[-1]} {stats}")
+    step_profile = profile_minillm(model, tok, work, profile_steps, **engine_options) \
+        if profile_steps else None
+    if step_profile:
+        say(f"minillm decode step at batch {step_profile['batch']}: "
+            f"{step_profile['wall_ms_per_step']:.1f} ms, {step_profile['ms_by_category']}, "
+            f"outside operators {step_profile['python_ms']:.1f} ms")
     if "hf" in peers:
         if random_weights:
             from ..checkpoint.hf_interop import to_hf_model
@@ -197,7 +236,7 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
             "prompt_tokens": sum(map(len, work.prompts)), "output_tokens": work.output_tokens,
             "seed": seed, "random_weights": random_weights, "engine_options": engine_options,
             "dtype": dtype_name(dt), "dtype_reason": dtype_reason,
-            "minillm_stats": stats, "vllm": vllm_info,
+            "minillm_stats": stats, "minillm_step_profile": step_profile, "vllm": vllm_info,
             **machine_info(dev, threads),
             "results": [asdict(r) for r in results],
             "ratios": {f"minillm/{r.engine}": base / r.output_tok_s for r in results[1:]},

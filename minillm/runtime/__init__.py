@@ -2,7 +2,7 @@
 for static shapes, then compiled with ``torch.compile`` or captured as CUDA graphs
 (``decoder``). The OpenAI-compatible server is ``minillm.serve``."""
 from .decoder import StaticDecoder, capture_sizes, pad_to_captured
-from .profile import DecodeProfile, categorize, profile_decode
+from .profile import DecodeProfile, categorize, profile_decode, profile_engine_steps
 
 __all__ = ["DecodeProfile", "StaticDecoder", "capture_sizes", "categorize", "pad_to_captured",
-           "profile_decode"]
+           "profile_decode", "profile_engine_steps"]

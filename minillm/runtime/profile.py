@@ -105,10 +105,31 @@ def profile_decode(model: Transformer, prompt_len: int = 128, steps: int = 8,
         for _ in range(steps):
             model(x, cache=cache, last_only=True)
         sync(dev)
-    return _summarise(prof, steps, cuda, str(dev))
+    return summarise(prof, steps, cuda, str(dev))
 
 
-def _summarise(prof, steps: int, cuda: bool, device: str) -> DecodeProfile:
+def profile_engine_steps(engine, steps: int = 5) -> DecodeProfile:
+    """Profile the next ``steps`` steps of a running :class:`~minillm.engine.LLMEngine` (a
+    batched paged decode once every request has been prefilled): schedule, run, sample. Stops
+    early when the engine runs out of work (``steps`` of the profile: those it ran)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if not engine.has_unfinished():
+        raise ValueError("the engine has no request to step: add requests first")
+    dev = engine.model.device
+    cuda = dev.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(dev)
+    ran = 0
+    with profile(activities=acts) as prof:
+        while ran < steps and engine.has_unfinished():
+            engine.step()
+            ran += 1
+        sync(dev)
+    return summarise(prof, ran, cuda, str(dev))
+
+
+def summarise(prof, steps: int, cuda: bool, device: str) -> DecodeProfile:
     """Group the profiler's per-operator averages into rows (device kernels on a GPU)."""
     rows = []
     for e in prof.key_averages():
