@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..device import resolve_device, sync
 
@@ -131,6 +132,29 @@ def matmul_intensity(m: int, n: int, k: int, bytes_per_elem: int = 2) -> float:
     return flops / nbytes
 
 
+def tiled_matmul_bytes(m: int, n: int, k: int, block_m: int, block_n: int,
+                       bytes_per_elem: int = 2) -> int:
+    """HBM bytes of C[m, n] = A[m, k] @ B[k, n] by a tiled kernel with no cache reuse.
+
+    One program per ``block_m x block_n`` tile of C reads its whole strip of A (its rows, all k)
+    and of B (all k, its columns) and writes its tile once; tiles at the edges are clipped. So
+    A is read ceil(n / block_n) times, B ceil(m / block_m) times and C written once; bigger
+    tiles mean fewer re-reads, hence more FLOPs per byte (an L2 cache can only do better).
+    """
+    if min(m, n, k, block_m, block_n, bytes_per_elem) < 1:
+        raise ValueError(f"m, n, k, block_m, block_n and bytes_per_elem must be >= 1, got "
+                         f"{(m, n, k, block_m, block_n, bytes_per_elem)}")
+    reads = m * k * math.ceil(n / block_n) + k * n * math.ceil(m / block_m)
+    return (reads + m * n) * bytes_per_elem
+
+
+def pipelined_tile_smem(block_m: int, block_n: int, block_k: int, stages: int,
+                        bytes_per_elem: int = 2) -> int:
+    """Shared memory (bytes) of a pipelined matmul program: ``stages`` buffers each holding a
+    ``block_m x block_k`` tile of A and a ``block_k x block_n`` tile of B."""
+    return stages * (block_m * block_k + block_k * block_n) * bytes_per_elem
+
+
 def vector_add_cost(n: int, bytes_per_elem: int = 2) -> tuple[int, int]:
     """(FLOPs, bytes) of out = x + y over n elements: one add each; x, y read and out written."""
     return n, 3 * n * bytes_per_elem
@@ -205,6 +229,48 @@ def triton_kernel_resources(compiled) -> dict:
 
 
 # ----------------------------------------------------------------------------- measuring
+class _OpTraffic(TorchDispatchMode):
+    """Adds up the bytes of every tensor each operation reads (inputs) and writes (outputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(t, torch.Tensor)]
+        self.ops.append((str(func.overloadpacket.__name__),
+                         sum(t.numel() * t.element_size() for t in ins),
+                         sum(t.numel() * t.element_size() for t in outs)))
+        return out
+
+
+def op_traffic(fn) -> list[tuple[str, int, int]]:
+    """Run ``fn()`` and list (op name, bytes read, bytes written) for every PyTorch operation it
+    launched: the memory traffic of an unfused computation if each op is one kernel that reads
+    its inputs and writes its outputs once (a view moves nothing but is listed too)."""
+    mode = _OpTraffic()
+    with mode:
+        fn()
+    return mode.ops
+
+
+def cpu_seconds(fn, min_runs: int = 10, min_total: float = 0.5) -> float:
+    """Best (minimum) wall-clock time of one call of fn() on the CPU: a warm-up call, then at
+    least ``min_runs`` calls and at least ``min_total`` seconds of them. The minimum is the run
+    least disturbed by other programs on a shared machine."""
+    fn()
+    best, spent, runs = math.inf, 0.0, 0
+    while runs < min_runs or spent < min_total:
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best, spent, runs = min(best, dt), spent + dt, runs + 1
+    return best
+
+
 def _best_seconds(fn, device: torch.device, repeats: int, inner: int) -> float:
     """Best of ``repeats`` timings of ``inner`` back-to-back calls of fn(), per call."""
     fn()  # warm up: allocation, kernel selection

@@ -1,16 +1,29 @@
 """Checkers for the exercises of Appendix B (GPU hardware), notebook ``A2_gpu_hardware``.
 
 Each ``check_*`` takes the student's function, compares it with :mod:`minillm.course.a2_roofline`
-on a
-few cases, prints a one-line verdict and returns a :class:`~minillm.labs.common.Result`
-(``passed`` is None while the exercise still raises NotImplementedError).
+or with torch on a few cases, prints a one-line verdict and returns a
+:class:`~minillm.labs.common.Result` (``passed`` is None while the exercise still raises
+NotImplementedError). :func:`check_add_2d` and :func:`check_softmax_rows` run the student's
+Triton launchers, so on a CPU Triton must already be in interpreter mode
+(:func:`minillm.device.setup_triton` before the kernel is defined); this module imports no
+Triton itself.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 
-from ..course.a2_roofline import GPU_SPECS, HOPPER_SM, matmul_intensity, occupancy, ridge_point
+import torch
+
+from ..course.a2_roofline import (
+    GPU_SPECS,
+    HOPPER_SM,
+    matmul_intensity,
+    occupancy,
+    ridge_point,
+    tiled_matmul_bytes,
+)
+from ..device import default_device
 from .common import Result, check
 
 
@@ -81,3 +94,94 @@ def check_compute_bound_size(fn: Callable[[float, float, int], int]) -> Result:
                 f"n={got}, expected {want} (ridge {ridge_point(bw, peak):.1f} FLOP/byte)")
 
     return check("compute_bound_size", attempt)
+
+
+def _strided_pairs(gen: torch.Generator, device: torch.device
+                   ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(description, x, y) pairs of 2-D fp32 tensors on ``device``: contiguous, transposed,
+    sliced (the views are taken on the device, so they keep their strides)."""
+    def r(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    return [("1x1 contiguous", r(1, 1), r(1, 1)),
+            ("5x7 contiguous", r(5, 7), r(5, 7)),
+            ("33x17 contiguous", r(33, 17), r(33, 17)),
+            ("x transposed (20x9, strides (1, 20))", r(9, 20).t(), r(20, 9)),
+            ("both sliced with steps (12x10)", r(24, 31)[::2, 1::3], r(12, 40)[:, ::4]),
+            ("one column (16x1) of a wide matrix", r(16, 5)[:, 2:3], r(16, 1))]
+
+
+def check_add_2d(fn: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]) -> Result:
+    """``fn(x, y, block_m, block_n)`` -> x + y, a new contiguous [M, N] tensor, computed by the
+    student's Triton kernel over a 2-D grid of ``block_m x block_n`` tiles.
+
+    x and y are fp32 [M, N] with *any* strides (transposed or sliced views), so the kernel must
+    address element (i, j) as ``X + i * stride_x0 + j * stride_x1``, and mask the tiles that
+    run past M or N (shapes are not multiples of the tiles). Compared with torch exactly.
+    """
+    gen = torch.Generator().manual_seed(11)
+    device = default_device()  # the GPU when there is one, else the interpreter's CPU
+
+    def attempt() -> None:
+        for bm, bn in ((4, 8), (16, 16)):
+            for where, x, y in _strided_pairs(gen, device):
+                got = fn(x, y, bm, bn)
+                assert tuple(got.shape) == tuple(x.shape), (
+                    f"{where}, tiles {bm}x{bn}: out has shape {tuple(got.shape)}, expected "
+                    f"{tuple(x.shape)}")
+                assert torch.equal(got, x + y), (
+                    f"{where}, tiles {bm}x{bn}: wrong at {int((got != x + y).sum())} of "
+                    f"{x.numel()} elements (use the strides of x, y and out, and mask both "
+                    "axes)")
+
+    return check("add_2d", attempt)
+
+
+def check_softmax_rows(fn: Callable[[torch.Tensor, int], torch.Tensor]) -> Result:
+    """``fn(x, block)`` -> softmax over each row of x [M, N] fp32, computed by the student's
+    Triton kernel with one program per row and tiles of ``block`` columns (a power of two,
+    often much less than N): one pass over the row keeps a running max and a running sum of
+    exp(x - max), rescaled when the max grows; a second pass writes exp(x - max) / sum.
+
+    Compared with float64 torch.softmax for rows shorter than, equal to and several times
+    longer than ``block``, scores in the hundreds (exp overflows without the max) and rows
+    with some -inf entries.
+    """
+    gen = torch.Generator().manual_seed(12)
+
+    def attempt() -> None:
+        for m, n, block, scale in ((1, 1, 16, 1.0), (3, 16, 16, 1.0), (4, 37, 16, 1.0),
+                                   (2, 100, 8, 80.0), (5, 257, 32, 10.0), (2, 64, 4, 1.0)):
+            x = torch.randn(m, n, generator=gen) * scale
+            if n > 8:
+                x[0, 1:n:3] = float("-inf")
+                x[-1, -1] = 400.0  # a late maximum: the running sum must be rescaled
+            got = fn(x.to(default_device()), block).cpu()
+            want = torch.softmax(x.double(), -1)
+            where = f"{m}x{n} rows, block {block}, scores up to {x[x.isfinite()].abs().max():.0f}"
+            assert tuple(got.shape) == tuple(x.shape), (
+                f"{where}: out has shape {tuple(got.shape)}, expected {tuple(x.shape)}")
+            assert not got.isnan().any(), f"{where}: NaN in the output"
+            err = (got.double() - want).abs().max().item()
+            assert err < 1e-5, f"{where}: differs from softmax by {err:.2e}"
+
+    return check("softmax_rows", attempt)
+
+
+def check_tiled_matmul_bytes(fn: Callable[[int, int, int, int, int, int], int]) -> Result:
+    """``fn(m, n, k, block_m, block_n, bytes_per_elem)`` -> HBM bytes of C[m, n] = A[m, k] @
+    B[k, n] by a kernel with one program per ``block_m x block_n`` tile of C that reads its
+    strips of A and B whole (no cache reuse between programs) and writes its tile once; edge
+    tiles are clipped. Compared with :func:`minillm.course.a2_roofline.tiled_matmul_bytes`."""
+    cases = [(64, 64, 64, 64, 64, 2), (4096, 4096, 4096, 128, 128, 2), (100, 60, 76, 16, 16, 4),
+             (1, 4096, 4096, 64, 128, 2), (4096, 11008, 4096, 128, 256, 2),
+             (33, 17, 5, 32, 8, 1), (8, 8, 8, 1, 1, 4)]
+
+    def attempt() -> None:
+        for m, n, k, bm, bn, b in cases:
+            got = int(fn(m, n, k, bm, bn, b))
+            want = tiled_matmul_bytes(m, n, k, bm, bn, b)
+            assert got == want, (f"m={m}, n={n}, k={k}, tiles {bm}x{bn}, bytes_per_elem={b}: "
+                                 f"got {got:,} bytes, expected {want:,}")
+
+    return check("tiled_matmul_bytes", attempt)

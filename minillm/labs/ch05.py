@@ -1,18 +1,22 @@
 """Checkers for the exercises of chapter 05 (I/O-aware kernels).
 
 Each ``check_*`` takes the student's function, compares it with a float64 computation or with
-:mod:`minillm.course.ch05_io_model` on a few cases (edge cases included), prints a one-line verdict
-and
-returns a :class:`~minillm.labs.common.Result` (``passed`` is None while the exercise still
-raises NotImplementedError).
+:mod:`minillm.course.ch05_io_model` on a few cases (edge cases included), prints a one-line
+verdict and returns a :class:`~minillm.labs.common.Result` (``passed`` is None while the
+exercise still raises NotImplementedError). :func:`check_paged_decode` runs the student's Triton
+launcher, so Triton must already be in interpreter mode on a CPU
+(:func:`minillm.device.setup_triton` before the kernel is defined); this module imports no
+Triton itself.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from ..course import ch05_io_model as io_model
+from ..device import default_device
 from .common import Result, check
 
 
@@ -129,3 +133,157 @@ def check_fused_softmax_bytes(fn: Callable[..., int]) -> Result:
                                  f"{got}, expected {want}")
 
     return check("fused_softmax_bytes", attempt)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float64 causal attention, q [H, T, d], k/v [H, L, d] -> [H, T, d]; the T queries are the
+    last T of the L positions (query i sees keys j <= L - T + i)."""
+    t, n = q.shape[-2], k.shape[-2]
+    s = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    hidden = torch.arange(n)[None, :] > torch.arange(t)[:, None] + (n - t)
+    return torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1) @ v.double()
+
+
+def check_flash_tiles(fn: Callable) -> Result:
+    """``fn(q, k, v, block_m, block_n)`` -> out: causal attention computed tile by tile.
+
+    q [H, T, d], k and v [H, L, d] (T <= L; the queries are the last T positions, so query i
+    sees keys j <= L - T + i), scale 1/sqrt(d). Queries go in tiles of ``block_m`` rows, keys
+    in tiles of ``block_n``; sizes need not be multiples of the tiles. Compared with float64
+    attention on several shapes; on one long case the checker also watches every tensor the
+    function creates: none may be as large as the [T, L] score matrix of a head.
+    """
+    from ..course.ch05_io_model import largest_intermediate_bytes
+
+    gen = torch.Generator().manual_seed(7)
+
+    def attempt() -> None:
+        for h, t, n, d, bm, bn in ((1, 8, 8, 4, 4, 4), (2, 7, 7, 8, 4, 4), (2, 5, 13, 8, 2, 3),
+                                   (3, 1, 9, 4, 4, 4), (1, 16, 16, 8, 16, 16),
+                                   (2, 10, 21, 4, 3, 8)):
+            q, k, v = (torch.randn(h, x, d, generator=gen, dtype=torch.float64)
+                       for x in (t, n, n))
+            got = fn(q, k, v, bm, bn)
+            want = _causal_attention(q, k, v)
+            where = f"H={h}, T={t}, L={n}, d={d}, block_m={bm}, block_n={bn}"
+            assert tuple(got.shape) == tuple(want.shape), (
+                f"{where}: out has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+            err = (got.double() - want).abs().max().item()
+            assert err < 1e-9, f"{where}: differs from causal attention by {err:.2e}"
+        t, d, bm, bn = 96, 4, 16, 16
+        q, k, v = (torch.randn(1, t, d, generator=gen, dtype=torch.float64) for _ in range(3))
+        largest = largest_intermediate_bytes(lambda: fn(q, k, v, bm, bn))
+        scores = t * t * 8
+        assert largest < scores, (
+            f"T=L={t}, tiles {bm}x{bn}: a {largest:,}-byte tensor was created, as large as the "
+            f"{t}x{t} score matrix ({scores:,} bytes): compute the scores one tile at a time")
+
+    return check("flash_tiles", attempt)
+
+
+def _paged_case(lens: list[int], block_size: int, hq: int, hkv: int, d: int,
+                gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(q, k_cache, v_cache, block_table, seq_lens, k, v): sequences of ``lens`` tokens with
+    their K/V [Hkv, n, d] (the lists k, v) scattered over shuffled blocks of a pool whose unused
+    slots hold large noise, so reading past a sequence's end or through the wrong block shows."""
+    need = [-(-n // block_size) for n in lens]
+    n_blocks = sum(need) + 2
+    k_cache = torch.randn(n_blocks, block_size, hkv, d, generator=gen) * 30
+    v_cache = torch.randn(n_blocks, block_size, hkv, d, generator=gen) * 30
+    perm = torch.randperm(n_blocks, generator=gen)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    ks, vs, used = [], [], 0
+    for b, (n, nb) in enumerate(zip(lens, need)):
+        table[b, :nb] = perm[used:used + nb].to(torch.int32)
+        used += nb
+        k, v = torch.randn(hkv, n, d, generator=gen), torch.randn(hkv, n, d, generator=gen)
+        for pos in range(n):
+            blk, slot = int(table[b, pos // block_size]), pos % block_size
+            k_cache[blk, slot], v_cache[blk, slot] = k[:, pos], v[:, pos]
+        ks.append(k)
+        vs.append(v)
+    q = torch.randn(len(lens), hq, d, generator=gen)
+    return q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32), ks, vs
+
+
+def check_paged_decode(fn: Callable) -> Result:
+    """``fn(q, k_cache, v_cache, block_table, seq_lens)`` -> out [B, Hq, D] float32: one decode
+    step of attention over a paged KV cache, computed by the student's Triton kernel.
+
+    q [B, Hq, D] fp32 (one new query per sequence); k_cache, v_cache [num_blocks, block_size,
+    Hkv, D] fp32; block_table int32 [B, max_blocks] (logical block i of sequence b is physical
+    block ``block_table[b, i]``; entries past the last block are never read); seq_lens int32
+    [B]. Query head h uses KV head h // (Hq // Hkv); scale 1/sqrt(D); no causal mask (the query
+    is the last position). Compared with float64 attention over each sequence's contiguous K/V
+    for lengths that are and are not multiples of the block size.
+    """
+    gen = torch.Generator().manual_seed(8)
+
+    def attempt() -> None:
+        for lens, bs, hq, hkv, d in (([5], 4, 1, 1, 16), ([16, 3, 9], 4, 4, 2, 16),
+                                     ([1, 33], 16, 2, 1, 32), ([8, 8], 8, 2, 2, 16)):
+            q, kc, vc, table, seq_lens, ks, vs = _paged_case(lens, bs, hq, hkv, d, gen)
+            dev = default_device()  # the GPU when there is one, else the interpreter's CPU
+            got = fn(*(t.to(dev) for t in (q, kc, vc, table, seq_lens))).cpu()
+            where = f"seq_lens {lens}, block_size {bs}, Hq={hq}, Hkv={hkv}, D={d}"
+            assert tuple(got.shape) == tuple(q.shape), (
+                f"{where}: out has shape {tuple(got.shape)}, expected {tuple(q.shape)}")
+            group = hq // hkv
+            for b, (k, v) in enumerate(zip(ks, vs)):
+                kq = k.double().repeat_interleave(group, 0)  # [Hq, n, d]
+                vq = v.double().repeat_interleave(group, 0)
+                s = (kq @ q[b].double()[:, :, None])[..., 0] / math.sqrt(d)  # [Hq, n]
+                want = (torch.softmax(s, -1)[:, None, :] @ vq)[:, 0]
+                err = (got[b].double() - want).abs().max().item()
+                assert err < 1e-4, (
+                    f"{where}: sequence {b} ({lens[b]} tokens) differs from attention over its "
+                    f"K/V by {err:.2e}")
+
+    return check("paged_decode", attempt)
+
+
+def check_bpt_block(fn: Callable) -> Result:
+    """``fn(x, attn_fn, ffn, q_block)`` -> out [B, T, D]: one pre-norm layer done block by block
+    (the Blockwise Parallel Transformer). ``attn_fn(x, start, stop)`` -> [B, stop - start, D]
+    is the attention sublayer for query rows start:stop (keys 0:stop); ``ffn(h)`` the FFN
+    sublayer for rows h [B, n, D]; the layer is out = h + ffn(h) with h = x + attention.
+    Compared with :func:`minillm.course.ch05_io_model.bpt_block`, with T a multiple of
+    ``q_block`` and not; the FFN must never see more than ``q_block`` rows, and blocks must
+    come in order.
+    """
+    from ..course.ch05_io_model import bpt_block
+
+    gen = torch.Generator().manual_seed(9)
+
+    def sublayers(w: torch.Tensor, calls: list) -> tuple[Callable, Callable]:
+        def attn_fn(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+            calls.append(("attn", start, stop))
+            return torch.cumsum(x[:, :stop], dim=1)[:, start:stop] / torch.arange(
+                start + 1, stop + 1, dtype=x.dtype)[None, :, None]  # mean of keys 0..i
+
+        def ffn(h: torch.Tensor) -> torch.Tensor:
+            calls.append(("ffn", h.shape[1]))
+            return torch.tanh(h @ w)
+
+        return attn_fn, ffn
+
+    def attempt() -> None:
+        for b, t, d, q_block in ((1, 8, 4, 4), (2, 13, 6, 4), (1, 5, 3, 8), (2, 9, 4, 1)):
+            x = torch.randn(b, t, d, generator=gen, dtype=torch.float64)
+            w = torch.randn(d, d, generator=gen, dtype=torch.float64)
+            calls: list = []
+            got = fn(x, *sublayers(w, calls), q_block)
+            want = bpt_block(x, *sublayers(w, []), q_block)
+            where = f"B={b}, T={t}, D={d}, q_block={q_block}"
+            assert tuple(got.shape) == tuple(want.shape), (
+                f"{where}: out has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+            err = (got - want).abs().max().item()
+            assert err < 1e-12, f"{where}: differs from the layer by {err:.2e}"
+            rows = max((c[1] for c in calls if c[0] == "ffn"), default=0)
+            assert rows <= q_block, (
+                f"{where}: the FFN ran on {rows} rows at once; BPT runs it on at most q_block "
+                f"= {q_block} rows, one block at a time")
+            starts = [c[1] for c in calls if c[0] == "attn"]
+            assert starts == sorted(starts), f"{where}: blocks must come in order, got {starts}"
+
+    return check("bpt_block", attempt)

@@ -171,3 +171,51 @@ def plot_matmul_rates(rates: dict, peaks: dict | None = None, title: str = "") -
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def plot_tile_choice(block_m: int = 128, block_n: int = 128, block_k: int = 64, stages: int = 3,
+                     size: int = 4096, bytes_per_elem: int = 2, bandwidth: float = 4.8e12,
+                     peak_flops: float = 989e12) -> plt.Figure:
+    """What a matmul tile buys: a ``size``-cubed product by a kernel with ``block_m x block_n``
+    output tiles, its K loop pipelined ``stages`` deep in ``block_k`` steps.
+
+    Left: the roofline (``bandwidth`` bytes/s, ``peak_flops`` FLOP/s; default the H200's
+    datasheet) with the kernel's intensity when every program re-reads its strips of A and B
+    from HBM (:func:`minillm.course.a2_roofline.tiled_matmul_bytes`), next to the ideal of
+    reading each input once. Right: the shared memory those pipelined tiles need per block and
+    how many such blocks fit on a Hopper SM by shared memory alone.
+    """
+    from ..course import a2_roofline as rl
+
+    flops, ideal = rl.matmul_cost(size, size, size, bytes_per_elem)
+    tiled = rl.tiled_matmul_bytes(size, size, size, block_m, block_n, bytes_per_elem)
+    smem = rl.pipelined_tile_smem(block_m, block_n, block_k, stages, bytes_per_elem)
+    limit = rl.HOPPER_SM.max_smem_per_block
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.8), width_ratios=[1.6, 1])
+    x = np.logspace(0, 4, 200)
+    ax.loglog(x, np.minimum(bandwidth * x, peak_flops) / 1e12, "k", lw=2, label="roof")
+    for label, nbytes, marker in ((f"tiles {block_m}x{block_n}, no cache reuse", tiled, "o"),
+                                  ("each input read once (ideal)", ideal, "s")):
+        i = flops / nbytes
+        ax.loglog([i], [rl.attainable(i, bandwidth, peak_flops) / 1e12], marker, ms=9,
+                  label=f"{label}: {i:,.0f} FLOP/B")
+    ax.axvline(peak_flops / bandwidth, color="0.5", ls=":", lw=1,
+               label=f"ridge {peak_flops / bandwidth:.0f} FLOP/B")
+    ax.set_xlabel("arithmetic intensity (FLOP per HBM byte)")
+    ax.set_ylabel("attainable TFLOP/s")
+    ax.set_title(f"{size}^3 matmul, {bytes_per_elem}-byte values", fontsize=9)
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=7, loc="lower right")
+    fits = smem <= limit
+    blocks = rl.occupancy(256, 0, smem)["blocks_per_sm"] if fits else 0
+    ax2.bar([0], [smem / 1024], color="C0" if fits else "C3", width=0.5)
+    ax2.axhline(limit / 1024, color="k", ls="--", lw=1,
+                label=f"max per block ({limit // 1024} KB)")
+    ax2.set_xticks([0], [f"{stages} stages x ({block_m}x{block_k} + {block_k}x{block_n})"],
+                    fontsize=7)
+    ax2.set_ylabel("shared memory per block (KB)")
+    ax2.set_title(f"{blocks} block(s) per SM by shared memory" if fits
+                  else "does not fit in shared memory", fontsize=9)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

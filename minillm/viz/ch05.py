@@ -245,3 +245,49 @@ def plot_attention_time(flash_rows: list, causal: bool = True, title: str = "") 
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def plot_attention_bytes(n: int = 4096, block_rows: int = 64, d: int = 64, heads: int = 9,
+                         dtype_bytes: int = 2) -> plt.Figure:
+    """HBM bytes of one attention layer, naive against FlashAttention, at sequence length ``n``
+    and a FlashAttention tile of ``block_rows`` query rows (the counts of
+    :mod:`minillm.course.ch05_io_model`).
+
+    Left: the bytes of each transfer at this N (stacked bars). Right: total bytes against N for
+    both, with this N marked.
+    """
+    from ..course import ch05_io_model as io
+
+    naive = io.naive_attention_io(n, d, heads=heads, dtype_bytes=dtype_bytes)
+    flash = io.flash_attention_io(n, d, heads=heads, dtype_bytes=dtype_bytes,
+                                  block_rows=block_rows)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    names = list(dict.fromkeys([*naive, *flash]))
+    colors = {name: f"C{i}" for i, name in enumerate(names)}
+    for x, parts in ((0, naive), (1, flash)):
+        bottom = 0.0
+        for name, b in parts.items():
+            ax.bar(x, b / 1e6, bottom=bottom, color=colors[name], width=0.6,
+                   label=name if x == 0 or name not in naive else None)
+            bottom += b / 1e6
+        ax.text(x, bottom, f"{bottom:,.0f} MB", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks([0, 1], ["naive (3 kernels)", f"flash, {block_rows}-row tiles"])
+    ax.set_ylabel("MB moved to/from HBM")
+    ax.set_title(f"N = {n}: flash moves {sum(naive.values()) / sum(flash.values()):.1f}x less",
+                 fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    ns = [2**k for k in range(8, 18)]
+    ax2.loglog(ns, [io.naive_attention_bytes(x, d, heads=heads, dtype_bytes=dtype_bytes)
+                    for x in ns], "o-", ms=3, label="naive")
+    ax2.loglog(ns, [io.flash_attention_bytes(x, d, heads=heads, dtype_bytes=dtype_bytes,
+                                             block_rows=block_rows) for x in ns], "o-", ms=3,
+               label=f"flash, {block_rows}-row tiles")
+    ax2.axvline(n, color="k", lw=0.8, ls="--")
+    ax2.set_xlabel("sequence length N")
+    ax2.set_ylabel("bytes")
+    ax2.grid(True, which="both", alpha=0.3)
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"one attention layer, {heads} heads, d={d}, {dtype_bytes}-byte values",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
