@@ -5,39 +5,40 @@ import math
 
 import pytest
 import torch
+from lab_checks import checker_tests
 
 from minillm.labs import ch01
-from minillm.labs.solutions.ch01 import (
-    causal_attention,
-    causal_attention_repeat,
-    rmsnorm,
-    rmsnorm_float64,
-    rope,
-    rope_real,
-    top_p,
-    top_p_shifted,
-)
-
-# --- reference solutions -------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+from minillm.labs.solutions import ch01 as key
 
 # --- wrong solutions -------------------------------------------------------------------------
+
+
+def bpe_longest_match(text):  # WordPiece-style: the longest vocabulary entry first, no ranks
+    vocab, _ = key.gguf_vocab_and_ranks()
+    chars = key.byte_chars()
+    ids = []
+    for piece in key.GPT2_SPLIT.findall(text):
+        s = "".join(chars[b] for b in piece.encode("utf-8"))
+        while s:
+            n = max(n for n in range(1, len(s) + 1) if s[:n] in vocab)
+            ids.append(vocab[s[:n]])
+            s = s[n:]
+    return ids
+
+
+def bpe_left_to_right(text):  # merges the leftmost listed pair first instead of the best rank
+    vocab, ranks = key.gguf_vocab_and_ranks()
+    chars = key.byte_chars()
+    ids = []
+    for piece in key.GPT2_SPLIT.findall(text):
+        symbols = [chars[b] for b in piece.encode("utf-8")]
+        while True:
+            i = next((i for i, pair in enumerate(zip(symbols, symbols[1:])) if pair in ranks), None)
+            if i is None:
+                break
+            symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+        ids += [vocab[s] for s in symbols]
+    return ids
 
 
 def rmsnorm_no_eps(x, weight, eps):
@@ -72,11 +73,11 @@ def rope_interleaved(x, positions, theta):  # rotates (2i, 2i+1) pairs, llama.cp
 
 
 def rope_wrong_sign(x, positions, theta):  # rotates the other way
-    return rope(x, -positions, theta)
+    return key.rope(x, -positions, theta)
 
 
 def rope_ignores_positions(x, positions, theta):  # assumes positions 0..T-1
-    return rope(x, torch.arange(x.shape[-2]), theta)
+    return key.rope(x, torch.arange(x.shape[-2]), theta)
 
 
 def attention_no_mask(q, k, v):
@@ -95,12 +96,12 @@ def attention_top_left_mask(q, k, v):  # mask anchored at key 0: wrong once a ca
 
 
 def attention_no_scale(q, k, v):
-    return causal_attention(q * math.sqrt(q.shape[-1]), k, v)
+    return key.causal_attention(q * math.sqrt(q.shape[-1]), k, v)
 
 
 def attention_wrong_grouping(q, k, v):  # query head h reads KV head h % H_kv
     group = q.shape[1] // k.shape[1]
-    return causal_attention(q, k, v) if group == 1 else causal_attention(
+    return key.causal_attention(q, k, v) if group == 1 else key.causal_attention(
         q, k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1))
 
 
@@ -117,49 +118,80 @@ def top_p_unsorted(logits, p):  # cumulates in vocabulary order instead of proba
 
 
 def top_p_renormalised(logits, p):  # returns log-probabilities, not the logits
-    return top_p(logits, p).log_softmax(-1)
+    return key.top_p(logits, p).log_softmax(-1)
 
 
-def stub(*args):
-    raise NotImplementedError
+def _pool(mha, n_kv_heads, pool):
+    """key.mha_to_gqa with pool(heads [H_kv, d, D], group) -> [n_kv_heads, d, D] instead."""
+    out = key.mha_to_gqa(mha, n_kv_heads)
+    group = mha.n_kv_heads // n_kv_heads
+    with torch.no_grad():
+        for new, old in ((out.w_k, mha.w_k), (out.w_v, mha.w_v)):
+            heads = old.weight.view(mha.n_kv_heads, mha.head_dim, mha.d_model)
+            new.weight.copy_(pool(heads, group).reshape(-1, mha.d_model))
+    return out
 
 
-CHECKERS = {
-    "rmsnorm": (ch01.check_rmsnorm, [rmsnorm, rmsnorm_float64],
-                [rmsnorm_no_eps, rmsnorm_mean_not_square, rmsnorm_std, rmsnorm_fp32_out]),
-    "rope": (ch01.check_rope, [rope, rope_real],
-             [rope_interleaved, rope_wrong_sign, rope_ignores_positions]),
-    "causal_attention": (ch01.check_causal_attention, [causal_attention, causal_attention_repeat],
-                         [attention_no_mask, attention_top_left_mask, attention_no_scale,
-                          attention_wrong_grouping]),
-    "top_p": (ch01.check_top_p, [top_p, top_p_shifted],
-              [top_p_drops_top_token, top_p_unsorted, top_p_renormalised]),
-}
+def gqa_strided_groups(mha, n_kv_heads):  # pools heads g, g + n_kv, ... instead of neighbours
+    return _pool(mha, n_kv_heads, lambda w, g: w.view(g, -1, *w.shape[1:]).mean(0))
 
 
-@pytest.mark.parametrize("name, solution", [(n, s) for n, (_, ss, _) in CHECKERS.items()
-                                            for s in ss],
-                         ids=lambda x: getattr(x, "__name__", x))
-def test_reference_solution_passes(name, solution):
-    result = CHECKERS[name][0](solution)
+def gqa_first_of_group(mha, n_kv_heads):  # keeps each group's first head instead of the mean
+    return _pool(mha, n_kv_heads, lambda w, g: w[::g])
+
+
+def moe_not_renormalised(x, layer):  # weights are the raw top-k router probabilities
+    out, aux = key.moe(x, layer)
+    probs = (x @ layer.router.weight.T).softmax(-1)
+    top = probs.topk(layer.top_k, dim=-1).values
+    return out * top.sum(-1, keepdim=True), aux  # = sum of p_e x expert_e(x)
+
+
+def moe_aux_first_choice(x, layer):  # f counts only each token's first expert
+    out, _ = key.moe(x, layer)
+    probs = (x @ layer.router.weight.T).softmax(-1)
+    first = probs.argmax(-1)
+    f = torch.bincount(first, minlength=layer.n_experts).to(x.dtype) / len(first)
+    return out, layer.n_experts * (f * probs.mean(0)).sum()
+
+
+CHECKS = [
+    (ch01.check_bpe_encode, key.bpe_encode, bpe_longest_match),
+    (ch01.check_bpe_encode, key.bpe_encode, bpe_left_to_right),
+    (ch01.check_rmsnorm, key.rmsnorm, rmsnorm_no_eps),
+    (ch01.check_rmsnorm, key.rmsnorm, rmsnorm_mean_not_square),
+    (ch01.check_rmsnorm, key.rmsnorm, rmsnorm_std),
+    (ch01.check_rmsnorm, key.rmsnorm, rmsnorm_fp32_out),
+    (ch01.check_rope, key.rope, rope_interleaved),
+    (ch01.check_rope, key.rope, rope_wrong_sign),
+    (ch01.check_rope, key.rope, rope_ignores_positions),
+    (ch01.check_causal_attention, key.causal_attention, attention_no_mask),
+    (ch01.check_causal_attention, key.causal_attention, attention_top_left_mask),
+    (ch01.check_causal_attention, key.causal_attention, attention_no_scale),
+    (ch01.check_causal_attention, key.causal_attention, attention_wrong_grouping),
+    (ch01.check_top_p, key.top_p, top_p_drops_top_token),
+    (ch01.check_top_p, key.top_p, top_p_unsorted),
+    (ch01.check_top_p, key.top_p, top_p_renormalised),
+    (ch01.check_mha_to_gqa, key.mha_to_gqa, gqa_strided_groups),
+    (ch01.check_mha_to_gqa, key.mha_to_gqa, gqa_first_of_group),
+    (ch01.check_moe, key.moe, moe_not_renormalised),
+    (ch01.check_moe, key.moe, moe_aux_first_choice),
+]
+IDS = [f"{checker.__name__[6:]}-{wrong.__name__}" for checker, _, wrong in CHECKS]
+
+test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = \
+    checker_tests(CHECKS, IDS)
+
+
+@pytest.mark.parametrize("checker, other", [
+    (ch01.check_rmsnorm, key.rmsnorm_float64),  # statistics in float64 are right too
+    (ch01.check_rope, key.rope_real),
+    (ch01.check_causal_attention, key.causal_attention_repeat),
+    (ch01.check_top_p, key.top_p_shifted),
+], ids=lambda x: getattr(x, "__name__", x))
+def test_other_correct_solution_passes(checker, other):
+    result = checker(other)
     assert result.passed is True, result.message
-
-
-@pytest.mark.parametrize("name, wrong", [(n, w) for n, (_, _, ws) in CHECKERS.items()
-                                         for w in ws],
-                         ids=lambda x: getattr(x, "__name__", x))
-def test_wrong_solution_fails(name, wrong):
-    checker = CHECKERS[name][0]
-    result = checker(wrong)
-    assert result.passed is False
-    assert result.message
-
-
-@pytest.mark.parametrize("name", CHECKERS)
-def test_stub_is_not_attempted(name):
-    result = CHECKERS[name][0](stub)
-    assert result.passed is None
-    assert not result  # a Result is falsy unless passed
 
 
 def test_crash_is_reported_not_raised():
@@ -168,3 +200,11 @@ def test_crash_is_reported_not_raised():
 
     result = ch01.check_causal_attention(broken)
     assert result.passed is False and "RuntimeError" in result.message
+
+
+def test_sampling_filter_plot_counts_the_kept_tokens():
+    from minillm.viz.ch01 import plot_sampling_filter
+
+    logits = torch.arange(50, dtype=torch.float32).flip(0)      # token 0 most likely
+    fig = plot_sampling_filter(logits, [f"t{i}" for i in range(8)], temperature=1.0, top_k=3)
+    assert "3 of 50 tokens" in fig.axes[0].get_title()

@@ -1,9 +1,10 @@
 """Checkers for the exercises of chapter 01 (transformers).
 
 Each ``check_*`` takes the student's function, compares it with the package's implementation on
-seeded random inputs of several shapes, prints a one-line verdict and returns a
+real text or seeded random inputs of several shapes, prints a one-line verdict and returns a
 :class:`~minillm.labs.common.Result` (``passed`` is None while the function still raises
-NotImplementedError).
+NotImplementedError). In notebook order: bpe_encode, top_p, rmsnorm, rope, causal_attention,
+mha_to_gqa, moe.
 """
 from __future__ import annotations
 
@@ -12,9 +13,27 @@ from collections.abc import Callable
 import torch
 
 from ..attention import reference_attention
+from ..checkpoint.loader import smollm2_tokenizer
+from ..checkpoint.tokenizer import Tokenizer
+from ..course.ch01_variants import MultiHeadAttention, mha_to_gqa
 from ..model.layers import RMSNorm, apply_rope, rope_cos_sin
+from ..model.moe import MoEFeedForward
 from ..sampling import apply_top_p
 from .common import Result, check
+
+# Real text for the tokenizer: several merges in one word, contractions, digits, code, accents,
+# CJK, an emoji, runs of spaces, tabs and newlines, and the empty string.
+BPE_TEXTS = (
+    " unbelievably",
+    "Tokenizers don't see words: they see 1,234 bytes!",
+    "The yeast feeds on the sugars in the flour and releases carbon dioxide, which gets "
+    "trapped in a web of gluten and makes the dough rise.",
+    "def area(r):\n    return 3.14159 * r ** 2\n",
+    "Crème brûlée in 東京 🤖, naïve café.",
+    "  two  spaces,\ttabs and\n\nnewlines  ",
+    "HELLO World's 2024 reports: we'll see, they've said.",
+    "",
+)
 
 
 def _compare(got, want: torch.Tensor, case: str, atol: float, rtol: float) -> None:
@@ -28,6 +47,46 @@ def _compare(got, want: torch.Tensor, case: str, atol: float, rtol: float) -> No
     bad = err > atol + rtol * want.double().abs()
     assert not bad.any(), (f"{case}: {int(bad.sum())} of {want.numel()} values differ, "
                            f"largest difference {err.max().item():.3g}")
+
+
+def _seeded(seed: int, module: type[torch.nn.Module], args: tuple, x_shape: tuple,
+            dtype: torch.dtype) -> tuple[torch.nn.Module, torch.Tensor]:
+    """(module(*args) in eval mode, an input x of x_shape), both in dtype and drawn from
+    torch.manual_seed(seed), leaving the caller's random state as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return module(*args).to(dtype).eval(), torch.randn(x_shape, dtype=dtype)
+
+
+def check_bpe_encode(fn: Callable[[str], list[int]], tok: Tokenizer | None = None) -> Result:
+    """``fn(text)`` -> list of token ids: byte-level BPE with the GGUF file's vocabulary and merges.
+
+    Split the text with the GPT-2 pre-tokenisation regex, write each piece's UTF-8 bytes as
+    GPT-2's printable characters, merge adjacent symbols lowest merge rank first until no listed
+    pair is left, and look the symbols up in the vocabulary. No control tokens. Compared with
+    the package's tokenizer (``tok.encode``; by default the real model's, read from the GGUF
+    file) on real text (:data:`BPE_TEXTS`).
+    """
+    tok = tok or smollm2_tokenizer()
+
+    def attempt() -> None:
+        for text in BPE_TEXTS:
+            want = tok.encode(text)
+            got = fn(text)
+            assert isinstance(got, (list, tuple)), (
+                f"{text!r}: expected a list of ints, got {type(got).__name__}")
+            got = [int(i) for i in got]
+            if got != want:
+                first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                             min(len(got), len(want)))
+                show = [tok.id_to_token(i) for i in want[first:first + 3]]
+                yours = [tok.id_to_token(i) if 0 <= i < tok.vocab_size else i
+                         for i in got[first:first + 3]]
+                raise AssertionError(
+                    f"{text!r}: {len(got)} tokens, expected {len(want)}; first difference at "
+                    f"token {first}: you gave {yours}, expected {show}")
+
+    return check("bpe_encode", attempt)
 
 
 def check_rmsnorm(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> Result:
@@ -160,4 +219,82 @@ def check_top_p(fn: Callable[[torch.Tensor, float], torch.Tensor]) -> Result:
     return check("top_p", attempt)
 
 
-__all__ = ["check_causal_attention", "check_rmsnorm", "check_rope", "check_top_p"]
+def check_mha_to_gqa(fn: Callable[[MultiHeadAttention, int], MultiHeadAttention]) -> Result:
+    """``fn(mha, n_kv_heads)`` -> a new :class:`~minillm.course.ch01_variants.MultiHeadAttention`
+    with ``n_kv_heads`` KV heads, each the mean of a group of ``mha``'s KV heads.
+
+    Adjacent heads form a group (KV heads g*G .. g*G + G - 1 with G = mha.n_kv_heads /
+    n_kv_heads become head g), so query head h keeps reading the pool that holds its old KV
+    head. W_Q and W_O are copied; ``mha`` itself must stay unchanged. Compared with
+    :func:`minillm.course.ch01_variants.mha_to_gqa` on weights and outputs, from MHA and from
+    modules that are already grouped, in float32 and float64.
+    """
+    # (d_model, n_heads, old n_kv_heads, new n_kv_heads, head_dim, dtype)
+    cases = [(32, 4, 4, 2, 8, torch.float32), (48, 6, 6, 1, 8, torch.float32),
+             (24, 4, 4, 4, 6, torch.float32), (40, 8, 4, 2, 5, torch.float64),
+             (36, 9, 9, 3, 4, torch.float64)]
+
+    def attempt() -> None:
+        for d_model, h, h_kv, n_kv, hd, dtype in cases:
+            case = f"{h} query heads, {h_kv} -> {n_kv} KV heads, {str(dtype)[6:]}"
+            mha, x = _seeded(d_model + h + h_kv + n_kv, MultiHeadAttention,
+                             (d_model, h, h_kv, hd), (2, 7, d_model), dtype)
+            before = {n: p.clone() for n, p in mha.state_dict().items()}
+            want = mha_to_gqa(mha, n_kv)
+            got = fn(mha, n_kv)
+            assert isinstance(got, MultiHeadAttention), (
+                f"{case}: expected a MultiHeadAttention, got {type(got).__name__}")
+            assert got.n_kv_heads == n_kv and got.n_heads == h, (
+                f"{case}: the result has {got.n_heads} query and {got.n_kv_heads} KV heads")
+            assert all(torch.equal(p, before[n]) for n, p in mha.state_dict().items()), (
+                f"{case}: the original module's weights changed; build a new one")
+            for name in ("w_q", "w_k", "w_v", "w_o"):
+                _compare(getattr(got, name).weight.detach(), getattr(want, name).weight,
+                         f"{case}, {name}", atol=1e-6, rtol=1e-6)
+            with torch.no_grad():
+                _compare(got(x), want(x), f"{case}, output", atol=1e-5, rtol=1e-5)
+
+    return check("mha_to_gqa", attempt)
+
+
+def check_moe(fn: Callable[[torch.Tensor, MoEFeedForward], tuple[torch.Tensor, torch.Tensor]]
+              ) -> Result:
+    """``fn(x, moe)`` -> (out [N, D], aux_loss scalar): the top-k mixture of experts on x [N, D].
+
+    Router softmax over the E experts, each token's top-k experts, their weights renormalised
+    over those k, out = sum of weight x expert(x) (each ``moe.experts[e]`` is a SwiGLU module),
+    and the Switch load-balancing loss E x sum_e f_e P_e (f_e: fraction of the N x k slots given
+    to expert e, P_e: mean router probability). Eval mode, no noise. Compared with
+    :class:`minillm.model.MoEFeedForward` (its output and ``aux_loss``), incl. experts that get
+    no token, k = 1 and k = E.
+    """
+    # (d_model, expert ffn_dim, n_experts, top_k, tokens, dtype)
+    cases = [(16, 24, 4, 1, 10, torch.float32), (32, 48, 8, 2, 64, torch.float32),
+             (24, 16, 6, 3, 5, torch.float32), (16, 8, 8, 2, 3, torch.float32),
+             (12, 20, 5, 5, 9, torch.float64)]
+
+    def attempt() -> None:
+        for d, f, e, k, n, dtype in cases:
+            case = f"{e} experts, top-{k}, {n} tokens, {str(dtype)[6:]}"
+            moe, x = _seeded(7 * e + k + n, MoEFeedForward, (d, f, e, k), (n, d), dtype)
+            with torch.no_grad():  # router logits of std ~ 1 x sqrt(d): uneven routing
+                moe.router.weight.mul_((3 * d) ** 0.5)
+            with torch.no_grad():
+                want = moe(x)
+                want_aux = moe.aux_loss.clone()
+                got = fn(x.clone(), moe)
+            assert isinstance(got, tuple) and len(got) == 2, (
+                f"{case}: expected a tuple (out, aux_loss)")
+            out, aux = got
+            _compare(out.detach(), want, f"{case}, out", atol=1e-5, rtol=1e-4)
+            aux = torch.as_tensor(aux).detach()
+            assert aux.numel() == 1, (
+                f"{case}: aux_loss must be a scalar, got shape {tuple(aux.shape)}")
+            assert abs(aux.double().item() - want_aux.double().item()) < 1e-5, (
+                f"{case}: aux_loss {aux.item():.6f}, expected {want_aux.item():.6f}")
+
+    return check("moe", attempt)
+
+
+__all__ = ["BPE_TEXTS", "check_bpe_encode", "check_causal_attention", "check_mha_to_gqa",
+           "check_moe", "check_rmsnorm", "check_rope", "check_top_p"]

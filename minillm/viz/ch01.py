@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
+import torch
+
+from ..config import SamplingParams
+from ..sampling import probabilities
 
 
 def _token_label(token: str) -> str:
@@ -158,5 +162,37 @@ def plot_expert_load(final: dict, history: dict) -> plt.Figure:
     right.set_xlabel("training step")
     right.set_ylabel("max / mean expert load")
     right.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_sampling_filter(logits, tokens: list[str], temperature: float = 1.0, top_k: int = 0,
+                         top_p: float = 1.0) -> plt.Figure:
+    """Bars of the most likely next tokens after temperature, top-k and top-p (vLLM's order).
+
+    logits [V]: the model's next-token logits; tokens: the text of the len(tokens) most likely
+    ones (most likely first). Blue bars are kept tokens' sampling probabilities, red crosses
+    dropped ones; grey outlines are the untouched (T = 1) probabilities. The title counts the
+    tokens kept over the whole vocabulary.
+    """
+    row = torch.as_tensor(logits, dtype=torch.float32).reshape(1, -1)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    probs = probabilities(row, params)[0]
+    shown = row[0].topk(len(tokens)).indices
+    kept = int((probs > 0).sum())
+    base = row[0].softmax(-1)[shown].numpy()
+    after = probs[shown].numpy()
+    x = np.arange(len(tokens))
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    ax.bar(x, after, color="C0", alpha=0.85, label="kept: sampling probability")
+    ax.bar(x, base, color="none", edgecolor="dimgray", lw=0.8, label="T = 1, no filter",
+           zorder=3)
+    ax.plot(x[after == 0], np.zeros((after == 0).sum()), "x", color="C3", ms=7, mew=2,
+            label="dropped")
+    ax.set_xticks(x, [_token_label(t) for t in tokens], rotation=90, fontsize=8)
+    ax.set_ylabel("probability of the next token")
+    ax.set_title(f"T = {temperature:g}, top-k = {top_k or 'off'}, top-p = {top_p:g}: "
+                 f"{kept:,} of {row.shape[1]:,} tokens can be drawn", fontsize=10)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

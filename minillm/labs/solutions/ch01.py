@@ -1,11 +1,58 @@
 """Chapter 01's key: reference solutions, written from the rules the chapter teaches."""
 from __future__ import annotations
 
+import functools
 import math
 
+import regex
 import torch
 
+from minillm.course.ch01_variants import MultiHeadAttention
 from minillm.labs import ch01
+
+GPT2_SPLIT = regex.compile(
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+
+@functools.lru_cache(maxsize=1)
+def gguf_vocab_and_ranks() -> tuple[dict[str, int], dict[tuple[str, str], int]]:
+    """The real model's vocabulary {symbol: id} and merge ranks {(left, right): rank}."""
+    from gguf import GGUFReader
+
+    from minillm.checkpoint import find_smollm2_gguf
+    from minillm.checkpoint.gguf import gguf_metadata
+
+    meta = gguf_metadata(GGUFReader(str(find_smollm2_gguf())))
+    vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
+    ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(meta["tokenizer.ggml.merges"])}
+    return vocab, ranks
+
+
+def byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character table: printable Latin-1 bytes stay, the other 68
+    take the characters from U+0100 on, in byte order."""
+    keep = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
+    table, moved = [], 256
+    for b in range(256):
+        table.append(chr(b) if b in keep else chr(moved))
+        moved += b not in keep
+    return table
+
+
+def bpe_encode(text):
+    vocab, ranks = gguf_vocab_and_ranks()
+    chars = byte_chars()
+    ids = []
+    for piece in GPT2_SPLIT.findall(text):
+        symbols = [chars[b] for b in piece.encode("utf-8")]
+        while len(symbols) > 1:
+            pairs = [ranks.get(pair, math.inf) for pair in zip(symbols, symbols[1:])]
+            best = min(range(len(pairs)), key=pairs.__getitem__)
+            if pairs[best] == math.inf:
+                break
+            symbols[best:best + 2] = [symbols[best] + symbols[best + 1]]
+        ids += [vocab[s] for s in symbols]
+    return ids
 
 
 def rmsnorm(x, weight, eps):
@@ -80,9 +127,47 @@ def causal_attention_repeat(q, k, v):
     return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
 
 
-KEY = [
+def pool_heads(w, n_kv_heads, head_dim):
+    """[H_kv * head_dim, D] -> [n_kv_heads * head_dim, D]: each group of adjacent heads averaged."""
+    return w.reshape(n_kv_heads, -1, head_dim, w.shape[-1]).mean(1).reshape(-1, w.shape[-1])
+
+
+@torch.no_grad()
+def mha_to_gqa(mha, n_kv_heads):
+    out = MultiHeadAttention(mha.d_model, mha.n_heads, n_kv_heads, mha.head_dim)
+    out.load_state_dict({"w_q.weight": mha.w_q.weight, "w_o.weight": mha.w_o.weight,
+                         "w_k.weight": pool_heads(mha.w_k.weight, n_kv_heads, mha.head_dim),
+                         "w_v.weight": pool_heads(mha.w_v.weight, n_kv_heads, mha.head_dim)})
+    return out.to(mha.w_q.weight.dtype)
+
+
+def silu(g):
+    return g * torch.sigmoid(g)
+
+
+def moe(x, layer):
+    """Route with the router's softmax, renormalise over the top k, loop over tokens' slots."""
+    probs = (x @ layer.router.weight.T).softmax(-1)  # [N, E]
+    top, experts = probs.topk(layer.top_k, dim=-1)  # [N, k]
+    weights = top / top.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for slot in range(layer.top_k):
+        for e in experts[:, slot].unique().tolist():
+            rows = experts[:, slot] == e
+            ffn = layer.experts[e]
+            h = x[rows]
+            y = (silu(h @ ffn.w_gate.weight.T) * (h @ ffn.w_up.weight.T)) @ ffn.w_down.weight.T
+            out[rows] += weights[rows, slot, None] * y
+    f = torch.bincount(experts.flatten(), minlength=layer.n_experts).to(x.dtype) / experts.numel()
+    return out, layer.n_experts * (f * probs.mean(0)).sum()
+
+
+KEY = [  # in notebook order
+    (ch01.check_bpe_encode, bpe_encode),
+    (ch01.check_top_p, top_p),
     (ch01.check_rmsnorm, rmsnorm),
     (ch01.check_rope, rope),
     (ch01.check_causal_attention, causal_attention),
-    (ch01.check_top_p, top_p),
+    (ch01.check_mha_to_gqa, mha_to_gqa),
+    (ch01.check_moe, moe),
 ]
