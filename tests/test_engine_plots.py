@@ -36,6 +36,7 @@ def test_workloads_are_seeded_and_in_range(tiny):
     t = W.poisson_arrivals(200, 5.0, seed=1)
     assert t == sorted(t) and t[0] == 0 and 25 < t[-1] < 60   # about 200 / 5 s
     assert W.poisson_arrivals(3, math.inf) == [0.0] * 3
+    assert W.offered_rate([0.0, 1.0, 4.0]) == 0.5 and W.offered_rate([0.0, 0.0]) == math.inf
 
 
 def test_serve_records_match_engine(tiny):
@@ -94,7 +95,9 @@ def test_plots_and_widget_build(tiny):
     figs = [P.plot_batch_timeline({"a": run, "b": run}, slots=4),
             P.plot_padding(run.recorder.plans),
             P.plot_kv_usage({"a": run}), P.plot_memory_map(snaps[0]), P.plot_memory_timeline(snaps),
-            P.plot_load_curves([1, 2], {"a": [run, run]}), P.plot_sharing({"x": (3, 5)}),
+            P.plot_load_sweep(W.load_sweep(lambda: engine(tiny), lambda s: work, 50.0, [0.5, 2],
+                                           [0, 1]), saturated=10.0, latency="ttft"),
+            P.plot_sharing({"x": (3, 5)}),
             P.plot_preemption([dict(block_size=8, mode=m, moved_tokens=1, recomputed=2,
                                     extra_seconds=0.1, seconds=1) for m in ("swap", "recompute")])]
     assert all(isinstance(f, matplotlib.figure.Figure) for f in figs)

@@ -3,7 +3,8 @@
 - :func:`sharegpt_like_workload`: seeded lognormal prompt and output lengths (a *synthetic*
   stand-in for ShareGPT's long-tailed conversation lengths), prompts cut from real prose;
   :func:`minillm.bench.throughput.make_workload` is the uniform-length one.
-- :func:`poisson_arrivals`: arrival times of a Poisson process.
+- :func:`poisson_arrivals`: arrival times of a Poisson process; :func:`offered_rate`, the rate
+  a list of arrivals actually offers.
 - :class:`Recorder`: subscribes to an :class:`~minillm.engine.LLMEngine`'s step hook to keep
   each step's plan (new tokens per request, block moves and their time) and a
   :class:`MemorySnapshot` of the block tables (for memory maps and the explorer widget).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..bench.throughput import Workload
@@ -59,6 +61,12 @@ def poisson_arrivals(num_requests: int, rate: float, seed: int = 0) -> list[floa
         times.append(t)
         t += rng.expovariate(rate)
     return times
+
+
+def offered_rate(arrivals: list[float]) -> float:
+    """Requests/s a list of arrival times offers: (n - 1) gaps over the span they cover."""
+    span = max(arrivals) - min(arrivals)
+    return (len(arrivals) - 1) / span if span > 0 else math.inf
 
 
 # ---- recording -------------------------------------------------------------------------------
@@ -259,6 +267,45 @@ def serve(engine: LLMEngine, work: Workload, params: SamplingParams | list[Sampl
                      engine.blocks.num_blocks)
 
 
+@dataclass
+class LoadPoint:
+    """One run of a load sweep: the target rate (a multiple ``factor`` of the capacity), the
+    seed of its workload and arrivals, the rate the arrivals offered, and what was measured."""
+
+    factor: float
+    seed: int
+    offered: float
+    throughput: float                  # output tokens / s
+    e2e: list[float]                   # per request, arrival to last token (s)
+    ttft: list[float]                  # per request, arrival to first token (s)
+    mean_running: float                # requests per step
+    steps: int                         # engine steps the run took
+    decode_steps: list[tuple[int, float]]   # (requests, seconds) of each step without prefill
+
+    def quantile(self, what: str, q: float) -> float:
+        """The ``q`` quantile of ``what`` ("e2e" or "ttft") over the requests."""
+        vals = sorted(getattr(self, what))
+        return vals[min(len(vals) - 1, int(q * len(vals)))]
+
+
+def load_sweep(make_engine: Callable[[], LLMEngine], make_work: Callable[[int], Workload],
+               capacity: float, factors: list[float], seeds: list[int]) -> list[LoadPoint]:
+    """Serve ``make_work(seed)`` on a fresh engine with Poisson arrivals at ``factor *
+    capacity`` requests/s, for every factor and seed; one :class:`LoadPoint` each."""
+    points = []
+    for factor in factors:
+        for seed in seeds:
+            work = make_work(seed)
+            arrivals = poisson_arrivals(len(work.prompts), factor * capacity, seed=seed)
+            run = serve(make_engine(), work, arrivals=arrivals)
+            points.append(LoadPoint(factor, seed, offered_rate(arrivals), run.throughput,
+                                    [r.e2e for r in run.records], [r.ttft for r in run.records],
+                                    run.mean_running, len(run.trace),
+                                    [(len(r.request_ids), r.end - r.start) for r in run.trace
+                                     if not r.prefill_tokens]))
+    return points
+
+
 def padded_tokens(plans: list[StepPlan]) -> tuple[int, int]:
     """(flat, padded): tokens the steps computed as one flat batch (selective batching), and
     what a [requests x longest] padded batch would have held."""
@@ -274,6 +321,6 @@ def recomputed_tokens(run: RunResult) -> int:
     return computed - sum(r.prompt_len + r.output_len - 1 for r in run.records)
 
 
-__all__ = ["MemorySnapshot", "Recorder", "RequestRecord", "RunResult", "StepPlan", "kv_waste",
-           "lognormal_lengths", "padded_tokens", "poisson_arrivals", "recomputed_tokens", "serve",
-           "sharegpt_like_workload", "snapshot"]
+__all__ = ["LoadPoint", "MemorySnapshot", "Recorder", "RequestRecord", "RunResult", "StepPlan",
+           "kv_waste", "load_sweep", "lognormal_lengths", "offered_rate", "padded_tokens",
+           "poisson_arrivals", "recomputed_tokens", "serve", "sharegpt_like_workload", "snapshot"]

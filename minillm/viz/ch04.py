@@ -18,7 +18,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.patches import Rectangle
 
 if TYPE_CHECKING:  # plots take the recorded data; they never run the workload
-    from ..course.ch04_workload import MemorySnapshot, RunResult
+    from ..course.ch04_workload import LoadPoint, MemorySnapshot, RunResult
 
 PREFILL, DECODE = "tab:orange", "tab:blue"
 
@@ -171,24 +171,38 @@ def plot_memory_timeline(snaps: list[MemorySnapshot], title: str = "") -> plt.Fi
     return fig
 
 
-def plot_load_curves(rates, runs: dict[str, list[RunResult]]) -> plt.Figure:
-    """Throughput and latency against the offered load (requests/s)."""
+def _by_factor(points: list[LoadPoint], value) -> tuple[np.ndarray, ...]:
+    """Per target factor: mean and spread (std over seeds) of the offered rate and of
+    ``value(point)``."""
+    factors = sorted({p.factor for p in points})
+    groups = [[p for p in points if p.factor == f] for f in factors]
+    x = [np.array([p.offered for p in g]) for g in groups]
+    y = [np.array([value(p) for p in g]) for g in groups]
+    return (np.array([v.mean() for v in x]), np.array([v.std() for v in x]),
+            np.array([v.mean() for v in y]), np.array([v.std() for v in y]))
+
+
+def plot_load_sweep(points: list[LoadPoint], saturated: float | None = None,
+                    latency: str = "e2e", quantile: float = 0.5) -> plt.Figure:
+    """Throughput and a latency quantile against the offered load (requests/s measured from
+    the arrivals): each seed a faint dot, the mean over seeds with its standard deviation.
+    ``latency``: "e2e" or "ttft"; ``saturated``: output tok/s with every request at once."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
-    for k, (name, rs) in enumerate(runs.items()):
-        a.plot(rates, [r.throughput for r in rs], "o-", color=f"C{k}", label=name)
-        b.plot(rates, [r.percentile("e2e", 0.5) for r in rs], "o-", color=f"C{k}",
-               label=f"{name}: median latency")
-        b.plot(rates, [r.percentile("e2e", 0.9) for r in rs], "s--", color=f"C{k}", alpha=0.6,
-               label=f"{name}: p90 latency")
-        b.plot(rates, [r.percentile("ttft", 0.5) for r in rs], "^:", color=f"C{k}", alpha=0.8,
-               label=f"{name}: median TTFT")
-    a.set_xlabel("offered load (requests / s)")
-    a.set_ylabel("output tokens / s")
+    for ax, value, label in ((a, lambda p: p.throughput, "output tokens / s"),
+                             (b, lambda p: p.quantile(latency, quantile), "seconds")):
+        ax.plot([p.offered for p in points], [value(p) for p in points], ".", color="C0",
+                alpha=0.35, label="one seed")
+        x, dx, y, dy = _by_factor(points, value)
+        ax.errorbar(x, y, xerr=dx, yerr=dy, fmt="o-", color="C0", capsize=3,
+                    label="mean over seeds, +- std")
+        ax.set_xlabel("offered load (requests / s, measured)")
+        ax.set_ylabel(label)
+    if saturated is not None:
+        a.axhline(saturated, color="gray", ls="--", label="all requests at once")
+    name = {"e2e": "latency (arrival to last token)", "ttft": "time to first token"}[latency]
     a.set_title("throughput", fontsize=9)
-    b.set_xlabel("offered load (requests / s)")
-    b.set_ylabel("seconds")
-    b.set_title("latency", fontsize=9)
-    a.legend(fontsize=8)
+    b.set_title(f"p{round(100 * quantile)} {name}", fontsize=9)
+    a.legend(fontsize=7)
     b.legend(fontsize=7)
     fig.tight_layout()
     return fig
@@ -234,6 +248,6 @@ def plot_sharing(cases: dict[str, tuple[int, int]]) -> plt.Figure:
     return fig
 
 
-__all__ = ["plot_batch_timeline", "plot_kv_usage", "plot_load_curves", "plot_memory_map",
+__all__ = ["plot_batch_timeline", "plot_kv_usage", "plot_load_sweep", "plot_memory_map",
            "plot_memory_timeline", "plot_padding", "plot_preemption", "plot_sharing",
            "step_times"]
