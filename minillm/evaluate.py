@@ -3,8 +3,10 @@
 ``token_nll`` streams a text through the model with a given cache, the way a chatbot reads a
 long conversation, and scores every next-token prediction. ``compare_policies`` runs the full
 cache and the bounded caches of chapter 02 (sliding window, attention sinks, H2O) at a few
-budgets. The text is prose from the Python reference manual that ships with the standard
-library (``pydoc_data``), so it exists offline on every machine.
+budgets. A window or sink cache is full attention with keys masked out, so its streamed result
+is also what one forward pass under :func:`visible_keys` gives (:func:`masked_nll`): the same
+numbers for the price of a prefill. The text is prose from the Python reference manual that
+ships with the standard library (``pydoc_data``), so it exists offline on every machine.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .cache import Cache, H2OCache, KVCache, SinkCache, SlidingWindowCache
 from .config import ModelConfig
@@ -108,10 +111,65 @@ def token_nll(model: Transformer, ids: Sequence[int] | torch.Tensor,
         end = min(n, start + (first if start == 0 else chunk))
         logits = model(x[:, start:end], cache=cache)[0]  # [end - start, vocab]
         targets = x[0, start + 1:end + 1]  # the last token of the text has no target
-        logp = logits[: targets.numel()].double().log_softmax(dim=-1)
-        nll[start:start + targets.numel()] = -logp.gather(1, targets[:, None])[:, 0].cpu()
+        nll[start:start + targets.numel()] = next_token_nll(logits[: targets.numel()], targets)
         start = end
     return nll
+
+
+def next_token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits [T, vocab], targets [T] -> -log p(target) per row, [T] float64 on the CPU."""
+    logp = logits.double().log_softmax(dim=-1)
+    return -logp.gather(1, targets[:, None])[:, 0].cpu()
+
+
+def visible_keys(n: int, window: int, n_sink: int = 0, chunk: int = 1) -> torch.Tensor:
+    """[n, n] bool: True where query i sees key j when a window (``n_sink=0``) or sink cache of
+    ``window`` tokens reads n tokens as :func:`token_nll` does (the first ``window`` in one
+    pass, then ``chunk`` per pass, evicting after each pass).
+
+    A pass starting at s sees the kept tokens (the first ``n_sink`` and the last
+    ``window - n_sink`` before s) plus its own tokens up to the query.
+    """
+    if not 0 <= n_sink < window:
+        raise ValueError(f"n_sink must be in [0, window={window}), got {n_sink}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    start = torch.where(i < window, 0, window + (i - window) // chunk * chunk)  # [n, 1]
+    return (j <= i) & ((j < n_sink) | (j >= start - (window - n_sink)))
+
+
+class MaskedPass(Cache):
+    """Not a cache: makes one forward pass over T tokens attend only where ``allowed`` [T, T]
+    is True (nothing is stored). Query i of the pass is position i."""
+
+    def __init__(self, allowed: torch.Tensor) -> None:
+        self.allowed = allowed
+        self.seen = 0
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_fn=None) -> torch.Tensor:
+        """q [B, H, T, hd], k/v [B, H_kv, T, hd] -> [B, H, T, hd] under the mask."""
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed.to(q.device))
+
+    def __len__(self) -> int:
+        return 0
+
+
+@torch.inference_mode()
+def masked_nll(model: Transformer, ids: Sequence[int] | torch.Tensor,
+               allowed: torch.Tensor) -> torch.Tensor:
+    """Next-token NLL [n - 1] float64 from one forward pass in which query i sees the keys
+    ``allowed[i]`` ([n, n] bool, e.g. :func:`visible_keys`)."""
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten().to(model.device)
+    if tuple(allowed.shape) != (ids.numel(), ids.numel()):
+        raise ValueError(f"allowed must be [{ids.numel()}, {ids.numel()}], got "
+                         f"{list(allowed.shape)}")
+    logits = model(ids[None], cache=MaskedPass(allowed))[0]
+    return next_token_nll(logits[:-1], ids[1:])
 
 
 def perplexity(model: Transformer, ids: Sequence[int] | torch.Tensor,
@@ -136,24 +194,38 @@ def make_cache(policy: str, cfg: ModelConfig, budget: int, n_sink: int = 4,
     raise ValueError(f"policy must be one of {POLICIES[1:]}, got {policy!r}")
 
 
+def policy_nll(model: Transformer, ids: Sequence[int] | torch.Tensor, policy: str,
+               budget: int, n_sink: int = 4, recent_frac: float = 0.5,
+               chunk: int = 1) -> torch.Tensor:
+    """Next-token NLL [n - 1] of ids read under a policy, evicting every ``chunk`` tokens.
+
+    "full" and the window/sink caches take one masked forward pass (exactly what streaming
+    gives, see :func:`visible_keys`); H2O is streamed, since its choice depends on attention.
+    """
+    n = len(ids)
+    if policy == "full":
+        return masked_nll(model, ids, visible_keys(n, n))
+    if policy in ("window", "sinks"):
+        return masked_nll(model, ids,
+                          visible_keys(n, budget, n_sink if policy == "sinks" else 0, chunk))
+    return token_nll(model, ids, lambda _n: make_cache(policy, model.cfg, budget, n_sink,
+                                                       recent_frac), chunk=chunk)
+
+
 def compare_policies(model: Transformer, ids: Sequence[int] | torch.Tensor,
                      budgets: Sequence[int], policies: Sequence[str] = POLICIES,
-                     n_sink: int = 4, recent_frac: float = 0.5) -> list[dict]:
-    """Perplexity of ids for each policy and budget, streamed one token at a time.
+                     n_sink: int = 4, recent_frac: float = 0.5, chunk: int = 1) -> list[dict]:
+    """Perplexity of ids for each policy and budget, evicting every ``chunk`` tokens.
 
-    Returns [{"policy", "budget", "ppl", "seconds"}]; "full" is measured once with
-    budget = len(ids).
+    Returns [{"policy", "budget", "ppl", "seconds", "nll"}] ("nll": the [n - 1] per-token
+    losses); "full" is measured once with budget = len(ids).
     """
     n = len(ids)
     rows = []
     for policy in policies:
         for budget in ([n] if policy == "full" else budgets):
-            factory = None
-            if policy != "full":
-                def factory(_max_len, policy=policy, budget=budget):
-                    return make_cache(policy, model.cfg, budget, n_sink, recent_frac)
             t0 = time.perf_counter()
-            ppl = perplexity(model, ids, factory)
-            rows.append({"policy": policy, "budget": budget, "ppl": ppl,
-                         "seconds": time.perf_counter() - t0})
+            nll = policy_nll(model, ids, policy, budget, n_sink, recent_frac, chunk)
+            rows.append({"policy": policy, "budget": budget, "ppl": math.exp(nll.mean().item()),
+                         "seconds": time.perf_counter() - t0, "nll": nll})
     return rows

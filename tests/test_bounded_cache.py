@@ -14,7 +14,16 @@ import torch.nn.functional as F
 
 import minillm
 from minillm.cache import Cache, H2OCache, SinkCache, SlidingWindowCache
-from minillm.evaluate import compare_policies, make_cache, perplexity, sample_ids, sample_text
+from minillm.evaluate import (
+    compare_policies,
+    make_cache,
+    masked_nll,
+    perplexity,
+    sample_ids,
+    sample_text,
+    token_nll,
+    visible_keys,
+)
 
 # ---------------------------------------------------------------- references
 
@@ -145,6 +154,22 @@ def test_streaming_equals_banded_mask(window, n_sink):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
     # the test can fail: the mask changes the logits by far more than the tolerance
     assert (full - ref)[window + 1:].abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(("policy", "n_sink", "chunk"), [("window", 0, 1), ("sinks", 3, 3),
+                                                         ("window", 0, 8), ("sinks", 2, 5)])
+def test_one_masked_pass_equals_streaming_with_strided_eviction(policy, n_sink, chunk):
+    """What chapter 02 relies on: a window or sink cache read ``chunk`` tokens per pass gives
+    the per-token losses of one forward pass under :func:`visible_keys`."""
+    model = sharp_tiny()
+    n, window = 40, 9
+    ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(2))
+    streamed = token_nll(model, ids, lambda _n: make_cache(policy, model.cfg, window, n_sink),
+                         chunk=chunk)
+    once = masked_nll(model, ids, visible_keys(n, window, n_sink, chunk))
+    torch.testing.assert_close(once, streamed[:n - 1], atol=1e-4, rtol=0)
+    full = masked_nll(model, ids, visible_keys(n, n))
+    assert (full - once).abs().max() > 1e-2          # the eviction shows: the test can fail
 
 
 def test_prefill_longer_than_window_then_decode():

@@ -180,3 +180,47 @@ def plot_decode_step(phases: dict, op_groups: dict, floor_ms: float | None = Non
     right.set_title("operators by kind", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def plot_policy_explorer(results: dict, policy: str, budget: int,
+                         smooth: int = 32) -> plt.Figure:
+    """One bounded-cache policy at one budget, drawn from precomputed ``results``:
+    ``{"full_nll": [n - 1], "runs": {(policy, budget): {"ppl": float, "nll": [n - 1],
+    "kept": [layers] lists of the positions kept after the text (KV head 0)}}}``.
+
+    Left: perplexity of every policy at this budget (the chosen one highlighted, the full
+    cache dashed). Middle: the positions kept after the whole text, per layer. Right: running
+    mean of the extra per-token loss of this policy over the full cache."""
+    runs = results["runs"]
+    full_nll = np.asarray(results["full_nll"], dtype=float)
+    full_ppl = float(np.exp(full_nll.mean()))
+    fig, (bars, kept, loss) = plt.subplots(1, 3, figsize=(13, 3.6),
+                                           gridspec_kw={"width_ratios": [1, 1.4, 1.4]})
+    names = [p for p, b in runs if b == budget]
+    shown = bars.bar(names, [runs[p, budget]["ppl"] for p in names],
+                     color=["tab:orange" if p == policy else "tab:gray" for p in names])
+    bars.bar_label(shown, fmt="%.1f", fontsize=8)
+    bars.axhline(full_ppl, color="k", ls="--", lw=1, label=f"full cache ({full_ppl:.1f})")
+    bars.set_ylabel("perplexity")
+    bars.set_title(f"budget {budget} tokens", fontsize=10)
+    bars.legend(fontsize=8)
+    run = runs[policy, budget]
+    for layer, positions in enumerate(run["kept"]):
+        kept.plot(positions, [layer] * len(positions), "|", color="tab:orange", ms=5)
+    kept.set_xlim(-5, len(full_nll) + 5)
+    kept.set_xlabel("position in the text")
+    kept.set_ylabel("layer")
+    kept.invert_yaxis()
+    kept.set_title(f"{policy}: positions kept after the text (KV head 0)", fontsize=10)
+    extra = np.asarray(run["nll"], dtype=float) - full_nll
+    loss.plot(np.arange(smooth, len(extra) + 1),
+              np.convolve(extra, np.ones(smooth) / smooth, "valid"), color="tab:orange", lw=1.2,
+              label=f"{policy} ({run['ppl']:.1f}) minus full cache")
+    loss.axhline(0, color="k", lw=0.8)
+    loss.axvline(budget, color="gray", ls=":", label="budget reached")
+    loss.set_xlabel("position in the text")
+    loss.set_ylabel(f"extra loss, mean of {smooth} tokens")
+    loss.set_title("where the loss goes up (vs the full cache)", fontsize=10)
+    loss.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,6 +1,8 @@
 """Chapter 02's key: reference solutions, written from the rules the chapter teaches."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from minillm.cache import Cache
@@ -44,9 +46,47 @@ def kept_positions(n_seen, window, n_sink=0):
     return sorted(set(range(min(n_sink, n_seen))) | set(recent))
 
 
+def decode_attention(q, k_new, v_new, k_cache, v_cache):
+    k_cache = torch.cat([k_cache, k_new], dim=2)  # [B, H_kv, L + 1, hd], oldest first
+    v_cache = torch.cat([v_cache, v_new], dim=2)
+    b, h, _, hd = q.shape
+    group = h // k_cache.shape[1]
+    qg = q.reshape(b, k_cache.shape[1], group, hd)  # heads h = kv * group + g share KV head kv
+    scores = qg @ k_cache.transpose(-1, -2) / math.sqrt(hd)  # [B, H_kv, group, L + 1]
+    out = scores.softmax(dim=-1) @ v_cache  # the newest token may see everything cached
+    return out.reshape(b, h, 1, hd), k_cache, v_cache
+
+
+def h2o_keep(score, pos, end, budget, n_recent):
+    keep = []
+    for s_row, p_row in zip(score.reshape(-1, score.shape[-1]), pos.reshape(-1, pos.shape[-1])):
+        recent = [i for i in range(len(p_row)) if p_row[i] >= end - n_recent]
+        others = sorted((i for i in range(len(p_row)) if p_row[i] < end - n_recent),
+                        key=lambda i: -float(s_row[i]))
+        keep.append(sorted(recent + others[:budget - len(recent)]))
+    return torch.tensor(keep, dtype=torch.long).reshape(*score.shape[:-1], budget)
+
+
+def visible_keys(n, window, n_sink=0, chunk=1):
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    start = 0
+    while start < n:  # one forward pass: the first `window` tokens, then `chunk` at a time
+        end = min(n, start + (window if start == 0 else chunk))
+        kept = set(range(min(n_sink, start))) | set(range(max(0, start - (window - n_sink)),
+                                                          start))
+        for i in range(start, end):
+            for j in kept | set(range(start, i + 1)):
+                allowed[i, j] = True
+        start = end
+    return allowed
+
+
 KEY = [
     (ch02.check_kv_bytes, kv_bytes),
     (ch02.check_score_entries, score_entries),
     (ch02.check_cache_append, GrowingCache),
     (ch02.check_sliding_window, kept_positions),
+    (ch02.check_decode_attention, decode_attention),
+    (ch02.check_h2o_keep, h2o_keep),
+    (ch02.check_visible_keys, visible_keys),
 ]
