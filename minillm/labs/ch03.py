@@ -6,14 +6,17 @@ while the exercise still raises NotImplementedError).
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..config import PRESETS
-from ..model.layers import SwiGLU
-from ..parallel.pipeline import bubble_formula
+from ..model.layers import Attention, SwiGLU, rope_cos_sin
+from ..model.transformer import _heads_axis
+from ..parallel.pipeline import bubble_formula, simulate
 from ..parallel.tensor import check_tp, kv_heads_of_rank
 from .common import Result, check
 
@@ -54,6 +57,65 @@ def check_ffn_partials(fn: Callable) -> Result:
     return check("ffn_partials", attempt)
 
 
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free nn.Linear holding ``weight`` [out, in]."""
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    out.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    return out
+
+
+def _attention_partial(attn: Attention, cfg, x: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, rank: int, p: int) -> torch.Tensor:
+    """Rank ``rank``'s partial output [B, T, D]: the package's Attention on its query heads,
+    the KV heads they read, and its rows of wo (the columns of wo's weight)."""
+    hd, per = cfg.head_dim, cfg.n_heads // p
+    q_rows = slice(rank * per * hd, (rank + 1) * per * hd)
+    kv = kv_heads_of_rank(cfg, rank, p)
+    kv_rows = slice(kv.start * hd, kv.stop * hd)
+    shard = copy.deepcopy(attn)
+    shard.wq, shard.wo = _linear(attn.wq.weight[q_rows]), _linear(attn.wo.weight[:, q_rows])
+    shard.wk, shard.wv = _linear(attn.wk.weight[kv_rows]), _linear(attn.wv.weight[kv_rows])
+    shard.n_heads, shard.n_kv_heads = per, len(kv)
+    return shard(x, cos, sin)
+
+
+def check_attention_partials(fn: Callable) -> Result:
+    """``fn(attn, x, cos, sin, world_size)`` -> list of world_size tensors [B, T, D]: each
+    rank's partial output of a causal grouped-query attention layer split by heads. Rank r
+    keeps query heads [r H/P, (r+1) H/P), the KV heads those read (query head h reads KV head
+    h // (H / H_kv), so a KV head is copied when P > H_kv), and the matching columns of wo's
+    weight. x is [B, T, D], cos/sin [1, 1, T, head_dim] (RoPE). The sum of the partials must be
+    attn(x, cos, sin), and each partial what that rank alone computes."""
+    base = PRESETS["tiny"]
+    shapes = ((4, 2, 2), (4, 2, 4), (6, 3, 3), (8, 2, 2), (4, 4, 1))  # (H, H_kv, P)
+
+    def attempt() -> None:
+        gen = torch.Generator().manual_seed(0)
+        for hq, hkv, p in shapes:
+            cfg = base.with_(n_heads=hq, n_kv_heads=hkv, d_model=8 * hq, head_dim=8)
+            torch.manual_seed(hq + hkv + p)
+            attn = Attention(cfg, 0).double().eval()
+            x = torch.randn(2, 5, cfg.d_model, generator=gen, dtype=torch.float64)
+            cos, sin = (_heads_axis(t) for t in rope_cos_sin(torch.arange(5), cfg.head_dim,
+                                                              cfg.rope_theta, torch.float64))
+            case = f"H={hq}, H_kv={hkv}, world_size={p}"
+            with torch.no_grad():
+                parts = fn(attn, x, cos, sin, p)
+                assert len(parts) == p, f"{case}: expected {p} partials, got {len(parts)}"
+                full = attn(x, cos, sin)
+                total = sum(parts)
+                assert torch.allclose(total, full, atol=1e-10), (
+                    f"{case}: the partials do not add up to attn(x) (max |diff| "
+                    f"{(total - full).abs().max():.2e})")
+                for r, part in enumerate(parts):
+                    want = _attention_partial(attn, cfg, x, cos, sin, r, p)
+                    assert torch.allclose(part, want, atol=1e-10), (
+                        f"{case}: partial {r} is not rank {r}'s share (query heads "
+                        f"{r * hq // p}..{(r + 1) * hq // p - 1})")
+
+    return check("attention_partials", attempt)
+
+
 def check_gpipe_slots(fn: Callable[[int, int], list[list[int]]]) -> Result:
     """``fn(p, m)`` -> start[s][i]: the time slot in which stage s runs micro-batch i on a GPipe
     forward schedule where every stage takes one slot per micro-batch and starts as early as
@@ -70,6 +132,34 @@ def check_gpipe_slots(fn: Callable[[int, int], list[list[int]]]) -> Result:
                 assert abs(bubble - bubble_formula(p, m)) < 1e-12
 
     return check("gpipe_slots", attempt)
+
+
+def check_gpipe_times(fn: Callable[[list[list[float]]], list[list[float]]]) -> Result:
+    """``fn(costs)`` -> start[s][i]: when stage s starts micro-batch i, where costs[s][i] is
+    the time stage s spends on micro-batch i ([p][m], stages of unequal speed allowed). Each
+    stage takes its micro-batches in order and starts one as soon as the stage is free and the
+    previous stage has finished that micro-batch (transfers are free)."""
+    gen = torch.Generator().manual_seed(0)
+    tables = {"equal stages p=2, m=4": [[1.0] * 4] * 2,
+              "slow first stage": [[3.0] * 4, [1.0] * 4],
+              "slow last stage": [[1.0] * 5, [2.0] * 5, [4.0] * 5],
+              "one stage": [[0.5, 2.0, 1.0]], "one micro-batch": [[1.0], [2.0], [0.5]],
+              "random p=4, m=6": (torch.rand(4, 6, generator=gen, dtype=torch.float64)
+                                  + 0.1).tolist(),
+              "zero-cost stage": [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [2.0, 0.5, 1.0]]}
+
+    def attempt() -> None:
+        for name, costs in tables.items():
+            got = [[float(t) for t in row] for row in fn([list(row) for row in costs])]
+            want = [[start for _, start, _ in tl] for tl in simulate(costs)]
+            assert len(got) == len(want) and all(len(g) == len(w) for g, w in zip(got, want)), (
+                f"{name}: expected {len(want)} rows of {len(want[0])} start times")
+            for s, (g, w) in enumerate(zip(got, want)):
+                for i, (a, b) in enumerate(zip(g, w)):
+                    assert abs(a - b) < 1e-9, (f"{name} (costs {costs}): stage {s} starts "
+                                               f"micro-batch {i} at {a:.3g}, expected {b:.3g}")
+
+    return check("gpipe_times", attempt)
 
 
 def check_dispatch_counts(fn: Callable[[torch.Tensor, int, int], list[int]]) -> Result:

@@ -124,3 +124,24 @@ def measured_bubble(timelines: list[list[tuple[int, float, float]]]) -> float:
     end = max(e for tl in timelines for _, _, e in tl)
     busy = sum(e - s for tl in timelines for _, s, e in tl)
     return 1.0 - busy / (len(timelines) * (end - start))
+
+
+def simulate(costs: list[list[float]]) -> list[list[tuple[int, float, float]]]:
+    """The GPipe forward schedule that stage costs give, without running anything.
+
+    costs[s][i] is the time stage s spends on micro-batch i ([p][m]). Stages take their
+    micro-batches in order and start each one as soon as both the stage and the micro-batch
+    (done by stage s-1) are free, with free transfers. Returns timelines [stage][(micro, start,
+    end)] in the format of :func:`align`, for :func:`measured_bubble` and the Gantt plots.
+    """
+    if not costs or not costs[0] or any(len(row) != len(costs[0]) for row in costs):
+        raise ValueError("costs must be a non-empty [stages][micro-batches] table of equal rows")
+    timelines, ready = [], [0.0] * len(costs[0])  # ready[i]: when micro-batch i left stage s-1
+    for row in costs:
+        free, timeline = 0.0, []
+        for i, cost in enumerate(row):
+            start = max(free, ready[i])
+            free = ready[i] = start + cost
+            timeline.append((i, start, free))
+        timelines.append(timeline)
+    return timelines

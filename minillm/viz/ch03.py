@@ -3,45 +3,40 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.patches import Patch
+
+from ..parallel.pipeline import bubble_formula, simulate
 
 
-def plot_tp_split(cfg, world_size: int) -> plt.Figure:
-    """Which rank owns which part of each matrix of one layer under tensor parallelism.
+def plot_tp_cost(degrees: list[int], panels: dict, measured: dict | None = None) -> plt.Figure:
+    """What one rank holds and sends against the tensor-parallel degree P.
 
-    Each bar is one matrix's split axis (query heads, KV heads, ffn_dim, vocabulary), scaled to
-    the same length; colours are ranks. Hatched parts are KV heads replicated on several ranks.
-    """
-    p = world_size
-    even = [(r / p, 1 / p, r, False) for r in range(p)]
-    if cfg.n_kv_heads % p == 0:
-        kv = even
-    else:  # each KV head copied to `rep` ranks: draw the copies side by side inside the head
-        rep = p // cfg.n_kv_heads
-        kv = [((r // rep) / cfg.n_kv_heads + (r % rep) / (cfg.n_kv_heads * rep),
-               1 / (cfg.n_kv_heads * rep), r, True) for r in range(p)]
-    rows = [(f"wq: {cfg.n_heads} q heads (columns)", even),
-            (f"wk, wv: {cfg.n_kv_heads} KV heads (columns)", kv),
-            (f"wo: {cfg.n_heads} q heads (rows)", even),
-            (f"w_gate, w_up: ffn {cfg.ffn_dim} (columns)", even),
-            (f"w_down: ffn {cfg.ffn_dim} (rows)", even),
-            (f"embedding, head: vocab {cfg.vocab_size}", even)]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
-    for y, (_, segments) in enumerate(rows):
-        for left, width, r, hatched in segments:
-            ax.barh(y, width, left=left, color=f"C{r}", edgecolor="white",
-                    hatch="//" if hatched else None)
-    if cfg.n_kv_heads % p:  # head boundaries of the replicated KV heads
-        for h in range(1, cfg.n_kv_heads):
-            ax.plot([h / cfg.n_kv_heads] * 2, [0.6, 1.4], color="k", lw=1.5)
-    ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 1)
-    ax.set_xticks([])
-    ax.set_title(f"{cfg.name}: one layer over {p} tensor-parallel ranks", fontsize=9)
-    ax.legend(handles=[Patch(color=f"C{r}", label=f"rank {r}") for r in range(p)], fontsize=7,
-              ncol=p, loc="upper center", bbox_to_anchor=(0.5, -0.02))
+    panels {y label: [value per degree]} gives one panel each (lines over ``degrees``);
+    measured {y label: (P, value)} marks what a real run logged in that panel."""
+    measured = measured or {}
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3), squeeze=False)
+    for i, (ax, (label, values)) in enumerate(zip(axes[0], panels.items())):
+        ax.plot(degrees, values, "o-", color=f"C{i}", label="from the shapes")
+        if label in measured:
+            p, value = measured[label]
+            ax.plot([p], [value], "k*", ms=11, label=f"measured at P={p}")
+        ax.set_xticks(degrees)
+        ax.set_xlabel("tensor-parallel degree P")
+        ax.set_ylabel(label, fontsize=8)
+        ax.set_ylim(0, max(values) * 1.15)
+        ax.legend(fontsize=7)
     fig.tight_layout()
+    return fig
+
+
+def plot_gpipe(p: int = 2, m: int = 4) -> plt.Figure:
+    """The GPipe forward schedule of p equal stages and m micro-batches (one time unit each):
+    the Gantt chart, with the bubble (p-1)/(m+p-1) in the title."""
+    timelines = simulate([[1.0] * m for _ in range(p)])
+    title = (f"p={p} stages, m={m} micro-batches: {m + p - 1} steps, bubble "
+             f"(p-1)/(m+p-1) = {bubble_formula(p, m):.2f}")
+    fig = plot_pipeline_gantt({title: timelines}, unit="s")
+    fig.axes[0].set_xlabel("time (steps of one micro-batch on one stage)")
+    fig.axes[0].set_xlim(0, 23)
     return fig
 
 
@@ -78,6 +73,21 @@ def plot_bubble(n_micro: list[int], measured: dict, formula: dict) -> plt.Figure
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("bubble: idle fraction")
     ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_makespan(n_micro: list[int], runs: dict) -> plt.Figure:
+    """Seconds for the whole batch against micro-batches m, one line per run {label: [s]}."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    for i, (name, values) in enumerate(runs.items()):
+        ax.plot(n_micro[:len(values)], values, "o-", color=f"C{i}", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(n_micro, [str(m) for m in n_micro])
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("makespan: time for the batch (s)")
+    ax.set_ylim(0, None)
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig

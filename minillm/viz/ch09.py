@@ -4,6 +4,8 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
+from ..parallel.sequence import pairs, shard_positions
+
 
 def plot_rank_work(work: dict) -> plt.Figure:
     """Per-rank causal attention work {split: [work per rank]} as grouped bars."""
@@ -58,5 +60,36 @@ def plot_schedule_grid(grids: dict) -> plt.Figure:
         ax.set_yticks(np.arange(ranks) + 0.5, [f"rank {r}" for r in range(ranks)])
         ax.set_xlabel("step")
         ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_ring_step(world_size: int = 4, step: int = 1, layout: str = "contiguous",
+                   seq_len: int = 64) -> plt.Figure:
+    """Ring attention at one step: rows are ranks, columns the K/V blocks (block j started on
+    rank j). The block each rank holds at ``step`` is dark, the ones it has already merged are
+    light blue (grey when the mask left nothing in them to merge); each cell gives the causal
+    (query, key) pairs of that rank's queries against that block, and "skip" marks blocks
+    entirely in the future of the mask. A step past the last (P-1) shows the finished ring."""
+    p = world_size
+    s = min(step, p - 1)
+    pos = shard_positions(seq_len, p, layout)
+    fig, ax = plt.subplots(figsize=(0.8 * p + 2.2, 0.45 * p + 1.4))
+    for r in range(p):
+        for j in range(p):
+            age = (r - j) % p  # the step at which rank r holds block j
+            work = pairs(pos[r], pos[j], True)
+            past = "#9ecae1" if work else "0.75"  # merged, or passed on unused (skipped)
+            colour = "C0" if age == s else (past if age < s else "0.95")
+            ax.add_patch(plt.Rectangle((j, r), 1, 1, color=colour, ec="white", lw=2))
+            ax.text(j + 0.5, r + 0.5, f"{work}" if work else "skip", ha="center", va="center",
+                    fontsize=7, color="white" if age == s else "k")
+    ax.set_xlim(0, p)
+    ax.set_ylim(p, 0)
+    ax.set_xticks(np.arange(p) + 0.5, [f"K/V {j}" for j in range(p)], fontsize=7)
+    ax.set_yticks(np.arange(p) + 0.5, [f"rank {r}" for r in range(p)], fontsize=7)
+    done = " (the ring is done after P steps)" if step > p - 1 else ""
+    ax.set_title(f"{layout}, T={seq_len}, P={p}: step {s}{done}\ndark: held now, blue: "
+                 f"merged, grey: skipped, number: causal pairs", fontsize=8)
     fig.tight_layout()
     return fig

@@ -1,6 +1,7 @@
 """Chapter 03's key: reference solutions, written from the rules the chapter teaches."""
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from minillm.labs import ch03
@@ -16,8 +17,45 @@ def ffn_partials(ffn, x, world_size):
     return parts
 
 
+def attention_partials(attn, x, cos, sin, world_size):
+    b, t, _ = x.shape
+    h, hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    per, group = h // world_size, h // hkv
+    parts = []
+    for r in range(world_size):
+        heads = range(r * per, (r + 1) * per)
+        kv = sorted({i // group for i in heads})  # the KV heads my query heads read
+        q_rows = slice(heads.start * hd, heads.stop * hd)
+        kv_rows = slice(kv[0] * hd, (kv[-1] + 1) * hd)
+        q = (x @ attn.wq.weight[q_rows].T).view(b, t, per, hd).transpose(1, 2)
+        k = (x @ attn.wk.weight[kv_rows].T).view(b, t, len(kv), hd).transpose(1, 2)
+        v = (x @ attn.wv.weight[kv_rows].T).view(b, t, len(kv), hd).transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        k = k.repeat_interleave(per // len(kv), dim=1)
+        v = v.repeat_interleave(per // len(kv), dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        parts.append(out.transpose(1, 2).reshape(b, t, per * hd) @ attn.wo.weight[:, q_rows].T)
+    return parts
+
+
+def _rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
 def gpipe_slots(p, m):
     return [[s + i for i in range(m)] for s in range(p)]
+
+
+def gpipe_times(costs):
+    start = []
+    for s, row in enumerate(costs):
+        start.append([])
+        for i in range(len(row)):
+            stage_free = start[s][i - 1] + row[i - 1] if i else 0.0
+            micro_ready = start[s - 1][i] + costs[s - 1][i] if s else 0.0
+            start[s].append(max(stage_free, micro_ready))
+    return start
 
 
 def dispatch_counts(experts, n_experts, world_size):
@@ -38,7 +76,9 @@ def kv_heads(cfg, rank, world_size):
 
 KEY = [
     (ch03.check_ffn_partials, ffn_partials),
+    (ch03.check_attention_partials, attention_partials),
     (ch03.check_gpipe_slots, gpipe_slots),
+    (ch03.check_gpipe_times, gpipe_times),
     (ch03.check_dispatch_counts, dispatch_counts),
     (ch03.check_kv_heads, kv_heads),
 ]

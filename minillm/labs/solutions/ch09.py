@@ -15,6 +15,44 @@ def merge(out_a, lse_a, out_b, lse_b):
             + torch.exp(lse_b - safe)[..., None] * out_b), lse
 
 
+def ring_attention(qs, ks, vs, positions, causal):
+    p = len(qs)
+    outs, lses, held = [None] * p, [None] * p, []
+    blocks = list(zip(ks, vs, positions))  # blocks[r]: the block rank r holds now
+    for s in range(p):
+        held.append([(r - s) % p for r in range(p)])
+        for r in range(p):
+            k, v, k_pos = blocks[r]
+            out, lse = _block(qs[r], k, v, positions[r], k_pos, causal)
+            outs[r], lses[r] = (out, lse) if s == 0 else merge(outs[r], lses[r], out, lse)
+        blocks = blocks[-1:] + blocks[:-1]  # pass on: rank r receives rank r-1's block
+    return outs, held
+
+
+def _block(q, k, v, q_pos, k_pos, causal):
+    # attention with the log-sum-exp, masked by position (-1 = padding), GQA by repetition
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    seen = (k_pos >= 0)[None, :] & ((k_pos[None, :] <= q_pos[:, None]) if causal else True)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - torch.where(torch.isinf(lse), 0, lse)[..., None])
+    return weights @ v, lse
+
+
+def shard_positions(seq_len, world_size, layout):
+    shard = math.ceil(seq_len / world_size)
+    out = []
+    for r in range(world_size):
+        if layout == "contiguous":
+            pos = list(range(r * shard, (r + 1) * shard))
+        else:
+            pos = [r + i * world_size for i in range(shard)]
+        out.append(torch.tensor([i if i < seq_len else -1 for i in pos]))
+    return out
+
+
 def rank_work(seq_len, world_size, layout):
     shard = math.ceil(seq_len / world_size)
     work = []
@@ -31,8 +69,22 @@ def seq_to_heads(shards):
     return [torch.cat([s[:, r * h:(r + 1) * h] for s in shards], dim=2) for r in range(p)]
 
 
+def comm_bytes(seq_len, world_size, n_heads, n_kv_heads, head_dim, scheme):
+    shard = math.ceil(seq_len / world_size)
+    if scheme == "ring":  # P-1 steps, each: K and V of my block, and its positions
+        return (world_size - 1) * (2 * n_kv_heads * shard * head_dim * 4 + 8 * shard)
+    # Ulysses: four all-to-alls (q, k, v, then the output); in each, a tensor of n heads is
+    # cut into P chunks of n/P heads and all but my own chunk leave
+    chunk = shard * head_dim * 4
+    return sum(n // world_size * (world_size - 1) * chunk
+               for n in (n_heads, n_kv_heads, n_kv_heads, n_heads))
+
+
 KEY = [
     (ch09.check_merge, merge),
+    (ch09.check_ring_attention, ring_attention),
+    (ch09.check_shard_positions, shard_positions),
     (ch09.check_rank_work, rank_work),
     (ch09.check_ulysses_all_to_all, seq_to_heads),
+    (ch09.check_comm_bytes, comm_bytes),
 ]
