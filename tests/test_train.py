@@ -23,6 +23,7 @@ from minillm.train.lora import (
 from minillm.train.preference import (
     RewardModel,
     dpo_loss,
+    dpo_margins,
     reward_accuracy,
     train_dpo,
     train_reward_model,
@@ -163,6 +164,22 @@ def test_dpo_raises_the_margin(model_tok):
     assert hist["margin"][-1] > 0.5 and hist["accuracy"][-1] == 1.0
     with pytest.raises(ValueError, match="beta must be > 0"):
         train_dpo(m, tok, rows, steps=1, beta=0.0)
+
+
+def test_dpo_early_stopping_keeps_the_best_held_out_step(model_tok):
+    m, tok = fresh(model_tok, rank=8)
+    rows = load_jsonl("preferences")
+    hist = train_dpo(m, tok, rows[:4], steps=8, batch_size=2, beta=0.5, lr=5e-2,
+                     held_out=rows[4:7], patience=2)
+    n = len(hist["held_accuracy"])
+    assert n == len(hist["loss"]) == len(hist["held_chosen_shift"]) <= 8
+    best = hist["best_step"]
+    scores = list(zip(hist["held_accuracy"], hist["held_chosen_shift"]))
+    assert scores[best - 1] == max(scores) and (n == 8 or n - best == 2)
+    held = dpo_margins(m, tok, rows[4:7], beta=0.5)  # the restored adapters are the best step's
+    assert (held > 0).float().mean().item() == pytest.approx(hist["held_accuracy"][best - 1])
+    with pytest.raises(ValueError, match="patience must be >= 1 and needs held_out"):
+        train_dpo(m, tok, rows[:4], steps=1, patience=2)
 
 
 def test_reward_model_learns_the_pairs(model_tok):

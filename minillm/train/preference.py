@@ -106,34 +106,61 @@ def dpo_loss(pi_c: torch.Tensor, pi_r: torch.Tensor, ref_c: torch.Tensor, ref_r:
 def dpo_margins(model, tok, rows: Sequence[dict], beta: float = 0.1) -> torch.Tensor:
     """Implicit reward margins of ``model`` (with adapters) against itself without them."""
     with torch.no_grad():
-        c = [(r["prompt"], r["chosen"]) for r in rows]
-        rj = [(r["prompt"], r["rejected"]) for r in rows]
-        pi_c, pi_r = sequence_logprobs(model, tok, c), sequence_logprobs(model, tok, rj)
+        pi_c, pi_r = _pair_logprobs(model, tok, rows)
         with lora_disabled(model):
-            ref_c, ref_r = sequence_logprobs(model, tok, c), sequence_logprobs(model, tok, rj)
+            ref_c, ref_r = _pair_logprobs(model, tok, rows)
     return dpo_loss(pi_c, pi_r, ref_c, ref_r, beta)[1]
+
+
+def _pair_logprobs(model, tok, rows: Sequence[dict], max_len: int = 96
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(chosen) [B], log pi(rejected) [B]) of the rows, summed over response tokens."""
+    return (sequence_logprobs(model, tok, [(r["prompt"], r["chosen"]) for r in rows], max_len),
+            sequence_logprobs(model, tok, [(r["prompt"], r["rejected"]) for r in rows], max_len))
+
+
+def _held_out_score(model, tok, rows: Sequence[dict], ref: tuple[torch.Tensor, torch.Tensor],
+                    beta: float, max_len: int) -> tuple[float, float]:
+    """(share of the rows with DPO margin > 0, mean log pi(chosen) - log ref(chosen)), given
+    the reference's (chosen, rejected) log-probabilities ``ref`` [B] each."""
+    with torch.no_grad():
+        pi = _pair_logprobs(model, tok, rows, max_len)
+    margin = dpo_loss(*pi, *ref, beta)[1]
+    return (margin > 0).float().mean().item(), (pi[0] - ref[0]).mean().item()
 
 
 def train_dpo(model, tok, rows: Sequence[dict], steps: int = 20, batch_size: int = 8,
               beta: float = 0.1, lr: float = 1e-3, max_len: int = 96, seed: int = 0,
-              log: Callable[[int, float, float], None] | None = None) -> dict:
+              log: Callable[[int, float, float], None] | None = None,
+              held_out: Sequence[dict] | None = None, patience: int | None = None) -> dict:
     """DPO on the LoRA adapters of ``model``; the reference is the model with adapters off.
 
-    Returns {"loss", "accuracy", "margin"} per step (accuracy: margin > 0 on the batch).
+    Returns {"loss", "accuracy", "margin"} per step (accuracy: margin > 0 on the batch). With
+    ``held_out`` pairs it also records, after each step, "held_accuracy" (margin > 0 on them)
+    and "held_chosen_shift" (mean log pi(chosen) - log ref(chosen): strongly negative means
+    the policy pushes its preferred answers down too, the start of a collapse). With
+    ``patience`` it stops once the held-out accuracy (ties broken by the chosen shift) has not
+    improved for that many steps, puts back the adapters of the best step and records
+    "best_step" (1-based).
     """
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
+    if patience is not None and (patience < 1 or not held_out):
+        raise ValueError(f"patience must be >= 1 and needs held_out pairs, got {patience}")
     opt = optimizer(model, lr)
+    params = lora_parameters(model)
     hist = {"loss": [], "accuracy": [], "margin": []}
-    for step, rows_b in enumerate(batches(rows, batch_size, steps, seed)):
-        c = [(r["prompt"], r["chosen"]) for r in rows_b]
-        rj = [(r["prompt"], r["rejected"]) for r in rows_b]
+    if held_out:
+        hist |= {"held_accuracy": [], "held_chosen_shift": []}
         with torch.no_grad(), lora_disabled(model):
-            ref_c, ref_r = sequence_logprobs(model, tok, c, max_len), \
-                sequence_logprobs(model, tok, rj, max_len)
+            ref_held = _pair_logprobs(model, tok, held_out, max_len)
+    best = None
+    for step, rows_b in enumerate(batches(rows, batch_size, steps, seed)):
+        with torch.no_grad(), lora_disabled(model):
+            ref_c, ref_r = _pair_logprobs(model, tok, rows_b, max_len)
         model.train()
-        loss, margin = dpo_loss(sequence_logprobs(model, tok, c, max_len),
-                                sequence_logprobs(model, tok, rj, max_len), ref_c, ref_r, beta)
+        loss, margin = dpo_loss(*_pair_logprobs(model, tok, rows_b, max_len), ref_c, ref_r,
+                                beta)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -141,6 +168,20 @@ def train_dpo(model, tok, rows: Sequence[dict], steps: int = 20, batch_size: int
         hist["loss"].append(loss.item())
         hist["accuracy"].append((margin > 0).float().mean().item())
         hist["margin"].append(margin.mean().item())
+        if held_out:
+            score = _held_out_score(model, tok, held_out, ref_held, beta, max_len)
+            hist["held_accuracy"].append(score[0])
+            hist["held_chosen_shift"].append(score[1])
+            if patience is not None:
+                if best is None or score > best[0]:
+                    best = (score, step, [p.detach().clone() for p in params])
+                elif step - best[1] >= patience:
+                    break
         if log:
             log(step, hist["loss"][-1], hist["accuracy"][-1])
+    if best is not None:
+        with torch.no_grad():
+            for p, saved in zip(params, best[2]):
+                p.copy_(saved)
+        hist["best_step"] = best[1] + 1
     return hist

@@ -42,31 +42,40 @@ def plot_quant_bench(report: dict) -> plt.Figure:
 
 
 def plot_bit_layouts() -> plt.Figure:
-    """The byte layout of one block of each GGUF format and of our int4 group, bit by bit."""
+    """The byte layout of one block of each GGUF format and of our int4 group, bit by bit.
+    Fields too narrow to hold their label are named below the bar, with a pointer."""
     layouts = {
         "Q8_0 (32 weights, 34 B)": [("d fp16", 16, "C3"), ("32 x int8 q", 256, "C0")],
         "Q4_1 (32 weights, 20 B)": [("d fp16", 16, "C3"), ("m fp16", 16, "C2"),
                                     ("16 B: q[j] low | q[j+16] high nibble", 128, "C0")],
-        "Q4_K (256 weights, 144 B)": [("d", 16, "C3"), ("dmin", 16, "C2"),
-                                      ("8 x 6-bit sc + 8 x 6-bit m (12 B)", 96, "C4"),
+        "Q4_K (256 weights, 144 B)": [("d fp16", 16, "C3"), ("dmin fp16", 16, "C2"),
+                                      ("8 x 6-bit scales + 8 x 6-bit mins (12 B)", 96, "C4"),
                                       ("128 B of nibbles", 1024, "C0")],
         "int4 g32 (ours: 32 weights)": [("16 B codes", 128, "C0"), ("scale", 16, "C3"),
                                          ("min", 16, "C2")],
         "int8 per channel (one row of K)": [("K x int8", 256, "C0"), ("scale", 32, "C3")],
     }
-    fig, axes = plt.subplots(len(layouts), 1, figsize=(12, 0.9 * len(layouts) + 0.6))
+    fig, axes = plt.subplots(len(layouts), 1, figsize=(12, 1.25 * len(layouts) + 0.4))
     for ax, (title, parts) in zip(axes, layouts.items()):
         total = sum(bits for _, bits, _ in parts)
-        start = 0
+        start, below = 0, 0
         for label, bits, colour in parts:
-            ax.barh(0, bits / total, left=start / total, color=colour, alpha=0.6,
-                    edgecolor="k")
-            ax.text((start + bits / 2) / total, 0, f"{label}\n{bits} bits", ha="center",
-                    va="center", fontsize=7)
+            left, width = start / total, bits / total
+            ax.barh(0, width, left=left, height=0.8, color=colour, alpha=0.6, edgecolor="k")
+            text = f"{label}\n{bits} bits"
+            if width * 12 * 0.9 > 0.075 * max(len(t) for t in text.split("\n")):
+                ax.text(left + width / 2, 0, text, ha="center", va="center", fontsize=7)
+            else:  # too narrow: name it below, side by side, with a pointer
+                ax.annotate(f"{label}: {bits} bits", (left + width / 2, -0.4),
+                            xytext=(0.02 + 0.2 * below, -1.05), fontsize=7, va="center",
+                            arrowprops={"arrowstyle": "-", "lw": 0.6})
+                below += 1
             start += bits
         ax.set_xlim(0, 1)
+        ax.set_ylim(-1.3 if below else -0.5, 0.5)
         ax.set_yticks([])
         ax.set_xticks([])
+        ax.set_frame_on(False)
         ax.set_title(f"{title}: {total} bits", fontsize=9, loc="left")
     fig.tight_layout()
     return fig
@@ -111,25 +120,71 @@ def plot_curves(panels: dict[str, dict[str, list[float]]], ncols: int = 3) -> pl
 
 
 def plot_lora_shapes(n: int, k: int, rank: int) -> plt.Figure:
-    """W [N, K] next to its LoRA update B [N, r] @ A [r, K], drawn to scale."""
-    fig, ax = plt.subplots(figsize=(9, 3.2))
-    s = 2.6 / max(n, k)
-    ax.add_patch(plt.Rectangle((0, 0), k * s, n * s, color="0.75"))
-    ax.text(k * s / 2, n * s / 2, f"W (frozen)\n{n} x {k}\n{n * k:,} numbers", ha="center",
+    """W [N, K] next to its LoRA update B [N, r] @ A [r, K], drawn to scale (a rank too thin
+    to see is drawn at a minimum width)."""
+    s = 3.0 / max(n, k)
+    wk, wn, wr = k * s, n * s, max(rank * s, 0.06)
+    x0 = wk + 0.7  # B
+    x1 = x0 + wr + 0.25  # A
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    ax.add_patch(plt.Rectangle((0, 0), wk, wn, color="0.75"))
+    ax.text(wk / 2, wn / 2, f"W (frozen)\n{n} x {k}\n{n * k:,} numbers", ha="center",
             va="center", fontsize=9)
-    x0 = k * s + 0.6
-    ax.add_patch(plt.Rectangle((x0, 0), max(rank * s, 0.04), n * s, color="C1"))
-    ax.text(x0 + 0.1, n * s + 0.08, f"B {n} x {rank}", fontsize=8)
-    x1 = x0 + max(rank * s, 0.04) + 0.3
-    ax.add_patch(plt.Rectangle((x1, n * s - max(rank * s, 0.04)), k * s, max(rank * s, 0.04),
-                               color="C0"))
-    ax.text(x1, n * s + 0.08, f"A {rank} x {k}", fontsize=8)
-    ax.text(x1 + k * s / 2, n * s / 2 - 0.2, f"trainable: r (N + K) = {rank * (n + k):,}\n"
-            f"= {100 * rank * (n + k) / (n * k):.1f} % of W", ha="center", fontsize=9)
-    ax.text(x0 - 0.33, n * s / 2, "+", fontsize=18, ha="center", va="center")
-    ax.set_xlim(-0.1, x1 + k * s + 0.2)
-    ax.set_ylim(-0.2, n * s + 0.4)
+    ax.text(wk + 0.35, wn / 2, "+", fontsize=18, ha="center", va="center")
+    ax.add_patch(plt.Rectangle((x0, 0), wr, wn, color="C1"))
+    ax.text(x0 + wr / 2, -0.12, f"B  {n} x {rank}\n(zeros at start)", ha="center", va="top",
+            fontsize=8)
+    ax.add_patch(plt.Rectangle((x1, wn - wr), wk, wr, color="C0"))
+    ax.text(x1 + wk / 2, wn + 0.1, f"A  {rank} x {k}", ha="center", va="bottom", fontsize=8)
+    ax.text(x1 + wk / 2, wn / 2 - 0.2, f"trainable: r (N + K)\n= {rank * (n + k):,}\n"
+            f"= {100 * rank * (n + k) / (n * k):.1f} % of W", ha="center", va="center",
+            fontsize=9)
+    ax.set_xlim(-0.1, x1 + wk + 0.1)
+    ax.set_ylim(-0.6, wn + 0.4)
     ax.set_aspect("equal")
     ax.axis("off")
     ax.set_title("LoRA: W x  +  (alpha / r) B A x", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_group_error(table: dict, group_size: int, bits: int, floor: float = 1e-7
+                     ) -> plt.Figure:
+    """Relative output error of group-wise quantization of one layer, for every (bits, group
+    size) in ``table`` = {"layer": name, "errors": {bits: {group_size: error}}}; the chosen
+    (group_size, bits) is marked, on the error curves and on the size / error trade-off (each
+    group also stores an fp16 scale and an fp16 min: bits + 32 / G bits per weight). Errors
+    below ``floor`` (a grid that reproduces the weights) are drawn at the floor, hollow."""
+    errors = table["errors"]
+    groups = sorted(next(iter(errors.values())))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for i, (b, by_g) in enumerate(sorted(errors.items())):
+        ys = [max(by_g[g], floor) for g in groups]
+        exact = [by_g[g] < floor for g in groups]
+        axes[0].plot(groups, ys, marker="o", color=f"C{i}", label=f"{b} bits")
+        axes[1].scatter([b + 32 / g for g in groups], ys, color=f"C{i}", label=f"{b} bits")
+        for ax, xs in ((axes[0], groups), (axes[1], [b + 32 / g for g in groups])):
+            ax.scatter([x for x, e in zip(xs, exact) if e], [floor] * sum(exact), s=60,
+                       color="white", edgecolors=f"C{i}", zorder=4)
+    err = errors[bits][group_size]
+    bpw = bits + 32 / group_size
+    for ax, x in ((axes[0], group_size), (axes[1], bpw)):
+        ax.scatter([x], [max(err, floor)], s=180, facecolors="none", edgecolors="k", lw=2,
+                   zorder=5)
+        ax.axhline(floor, color="0.6", lw=0.8, ls=":")
+        ax.set_yscale("log")
+        ax.set_ylim(floor / 5, None)
+        ax.grid(alpha=0.3, which="major")
+        ax.text(0.99, 0.01, f"hollow: error < {floor:.0e} (a grid the weights already sit on)",
+                transform=ax.transAxes, ha="right", va="bottom", fontsize=7, color="0.4")
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xticks(groups, [str(g) for g in groups])
+    axes[0].set_xlabel("group size G (weights sharing one scale and min)")
+    axes[0].set_ylabel("relative output error on calibration inputs")
+    axes[0].set_title(f"{table['layer']}: error against group size", fontsize=10)
+    axes[1].set_xlabel("stored bits per weight (codes + fp16 scale and min per group)")
+    axes[1].set_title(f"chosen: {bits} bits, G={group_size}: {bpw:.2f} bits/weight, "
+                      f"error {err:.2e}", fontsize=10)
+    fig.tight_layout()
     return fig

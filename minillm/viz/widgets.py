@@ -124,7 +124,7 @@ def explore(plot, **choices):
     SelectionSlider starting at the middle value) or a single value (fixed). Widgets only live in
     a running kernel: show ``plot(...)`` at the default values too, as the static copy.
 
-    e.g. ``explore(viz.a1.plot_group_error, group_size=[16, 32, 64, 128], bits=[4, 8])``"""
+    e.g. ``explore(viz.a1.plot_group_error, table=table, group_size=[16, 32, 64], bits=[4, 8])``"""
     import ipywidgets as widgets
     from IPython.display import display
 
