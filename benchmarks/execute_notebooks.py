@@ -36,8 +36,18 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+def settle(below: float = 1.0, most_s: float = 120.0) -> None:
+    """Wait (at most ``most_s``) for the 1-minute load average to fall below ``below``: the
+    previous notebook's own run keeps it high for a minute after it ends."""
+    start = time.perf_counter()
+    while os.getloadavg()[0] >= below and time.perf_counter() - start < most_s:
+        time.sleep(5)
+
+
 def execute(path: Path, fast: bool, timeout_s: int) -> dict:
-    """Run one notebook (in its folder, so relative paths work); -> its row."""
+    """Run one notebook (in its folder, so relative paths work) once the load has settled;
+    -> its row."""
+    settle()
     if fast:
         os.environ["MINILLM_FAST"] = "1"       # the kernel inherits this process's environment
     else:
