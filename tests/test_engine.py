@@ -304,7 +304,8 @@ def test_throughput_bench_counts_every_requested_token(tmp_path):
 
     report = run_throughput_bench("tiny", num_requests=4, dtype="float32", device="cpu",
                                   hf_batch=2, peers=("hf",), prompt_range=(4, 12),
-                                  output_range=(3, 6), say=lambda msg: None, max_num_seqs=3)
+                                  output_range=(3, 6), say=lambda msg: None, max_num_seqs=3,
+                                  profile_steps=1)
     work = make_workload(minillm.load_model("tiny")[1], 4, (4, 12), (3, 6), seed=0)
     stats = report["minillm_stats"]
     assert stats["finished_requests"] == 4 and stats["preemptions"] == 0

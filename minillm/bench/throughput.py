@@ -108,7 +108,7 @@ def profile_minillm(model, tok, work: Workload, steps: int = 5, **options) -> di
     (:func:`profile_engine_steps`; the profiler's own overhead would inflate the wall time).
     Milliseconds per step by operator category; ``python_ms`` is the wall time per step that no
     operator accounts for (scheduling, metadata, sampling, detokenizing). None if the workload
-    finishes before every request it can batch is decoding."""
+    finishes before every request it can batch is decoding, or before the profile."""
     from ..runtime import profile_engine_steps
 
     engine = LLMEngine(model, tok, EngineConfig(**options))
@@ -130,6 +130,8 @@ def profile_minillm(model, tok, work: Workload, steps: int = 5, **options) -> di
         engine.step()
         timed += 1
     wall_ms = (time.perf_counter() - start) * 1e3 / max(timed, 1)
+    if not engine.has_unfinished():
+        return None
     prof = profile_engine_steps(engine, steps)
     by_cat = {k: round(v, 2) for k, v in prof.by_category().items()}
     return {"steps": steps, "batch": batch, "wall_ms_per_step": round(wall_ms, 2),
