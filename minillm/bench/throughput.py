@@ -82,11 +82,17 @@ def timed_run(engine: str, dtype: str, note: str, work: Workload, device, fn
     return ThroughputResult(engine, dtype, wall, cpu, work.output_tokens / wall, note)
 
 
-def run_minillm(model, tok, work: Workload, **options) -> dict:
-    """Serve the workload with the engine; returns latency and KV statistics."""
+def loaded_engine(model, tok, work: Workload, **options) -> LLMEngine:
+    """An engine with every request of the workload added (greedy, EOS ignored)."""
     engine = LLMEngine(model, tok, EngineConfig(**options))
     for p, n in zip(work.prompts, work.output_lens):
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    return engine
+
+
+def run_minillm(model, tok, work: Workload, **options) -> dict:
+    """Serve the workload with the engine; returns latency and KV statistics."""
+    engine = loaded_engine(model, tok, work, **options)
     outs = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.finished]
@@ -111,9 +117,7 @@ def profile_minillm(model, tok, work: Workload, steps: int = 5, **options) -> di
     finishes before every request it can batch is decoding, or before the profile."""
     from ..runtime import profile_engine_steps
 
-    engine = LLMEngine(model, tok, EngineConfig(**options))
-    for p, n in zip(work.prompts, work.output_lens):
-        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    engine = loaded_engine(model, tok, work, **options)
     full = min(len(work.prompts), engine.config.max_num_seqs)
 
     def decoding() -> list:
