@@ -3,6 +3,7 @@ determinism, goodput sanity, the search, the cost model measured on our engine a
 against a real run, and every bad-input error."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -263,28 +264,36 @@ def warm_every_step_size(engine) -> None:
 def test_measured_costs_predict_a_real_run(engine):
     """Fit on the tiny model's own steps, then serve a Poisson workload for real at a light
     and a loaded rate: the simulated mean TTFT and TPOT are within the module's TOLERANCE.
-    Wall-clock timings on a shared 2-core machine: up to three tries (measure, then serve)."""
+    Wall-clock timings on a shared 2-core machine: up to three tries (measure, then serve), with
+    the garbage collector off while timing (as ``timeit`` does): in a long test session one
+    collection stalls a step and a stalled step delays every request that arrives meanwhile."""
     warm_every_step_size(engine)
     work = make_workload(None, 60, (16, 200), (8, 48), seed=1)
     tries = []
-    for _ in range(3):
-        costs = pl.measure_costs(engine, prompt_lens=(16, 64, 128, 256),
-                                 batches=(1, 4, 16, 32), contexts=(32, 128), repeats=7)
-        points = pl.validate(engine, costs, work, rates=(5.0, 50.0))
-        tries.append(points)
-        if all(p.within(pl.TOLERANCE) for p in points):
-            break
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            costs = pl.measure_costs(engine, prompt_lens=(16, 64, 128, 256),
+                                     batches=(1, 4, 16, 32), contexts=(32, 128), repeats=7)
+            points = pl.validate(engine, costs, work, rates=(5.0, 50.0))
+            tries.append(points)
+            if all(p.within(pl.TOLERANCE) for p in points):
+                break
+    finally:
+        gc.enable()
     assert costs.source.startswith("measured") and len(costs.decode_points) == 8
     assert len(costs.mixed_points) == 6 and costs.mixed_overlap >= 0   # batch 32 = max_num_seqs
     assert costs.kv_bytes_per_token == engine.model.cfg.kv_bytes_per_token(4)   # float32
     assert [p.rate for p in points] == [5.0, 50.0]
     assert all(p.real_preemptions == 0 for p in points)
-    assert points[1].real_ttft > points[0].real_ttft       # the loaded rate queues
+    assert points[1].sim_ttft > points[0].sim_ttft         # the loaded rate queues
     errors = [[(p.rate, round(p.ttft_error, 3), round(p.tpot_error, 3)) for p in t] for t in tries]
     if not all(p.within(pl.TOLERANCE) for p in points) and os.getloadavg()[0] > os.cpu_count():
         pytest.skip(f"other processes load the machine (load {os.getloadavg()[0]:.1f} > "
                     f"{os.cpu_count()} cores), so wall-clock costs drift: {errors}")
     assert all(p.within(pl.TOLERANCE) for p in points), errors
+    assert points[1].real_ttft > points[0].real_ttft       # and so does the real engine
 
 
 # ---- bad input -------------------------------------------------------------------------------
