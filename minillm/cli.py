@@ -241,6 +241,9 @@ def add_bench_throughput(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch (default: 64)")
     p.add_argument("--profile-steps", type=int, default=5,
                    help="profile this many of minillm's batched decode steps (0: none)")
+    p.add_argument("--attention-backend", default=None,
+                   help="minillm's paged attention: sdpa, triton or cpu (default: as the "
+                        "engine picks, the C++ kernel on a CPU that builds it)")
     add_peers(p)
     p.set_defaults(func=cmd_bench_throughput)
 
@@ -252,7 +255,9 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     report = run_throughput_bench(args.model, args.num_requests, args.dtype, args.device,
                                         args.hf_batch, peers_of(args), threads=args.threads,
                                         say=log_to_stderr, profile_steps=args.profile_steps,
-                                        max_num_seqs=args.max_num_seqs)
+                                        max_num_seqs=args.max_num_seqs,
+                                        **({"attention_backend": args.attention_backend}
+                                           if args.attention_backend else {}))
     return write_report(args, report, throughput_table(report), plot_throughput)
 
 

@@ -10,8 +10,11 @@ import torch
 from minillm.attention import attention_with_lse
 from minillm.attention.paged import (
     QUERY_GROUP,
+    SHORT_QUERY,
     batch_order,
     build_metadata,
+    cpu_paged_attention,
+    default_paged_backend,
     sdpa_paged_attention,
     triton_paged_attention,
     write_kv,
@@ -46,7 +49,7 @@ def dense_reference(q, k_cache, v_cache, tables, ctx_lens, q_lens, masks, block_
     return torch.cat(outs)
 
 
-def make_step(hq, hkv, d, block_size, shapes, seed, dtype=torch.float64):
+def make_step(hq, hkv, d, block_size, shapes, seed, dtype=torch.float64, direct=False):
     """shapes: (cached tokens, new tokens, tree mask?) per sequence -> the step's tensors."""
     g = torch.Generator().manual_seed(seed)
     ctx_lens = [c for c, _, _ in shapes]
@@ -64,11 +67,12 @@ def make_step(hq, hkv, d, block_size, shapes, seed, dtype=torch.float64):
     k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g, dtype=dtype)
     v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g, dtype=dtype)
     meta = build_metadata(tables, ctx_lens, q_lens, block_size, torch.device("cpu"), masks,
-                          q_per_kv=hq // hkv)
+                          q_per_kv=hq // hkv, direct=direct)
     total = sum(q_lens)
     q, k, v = (torch.randn(total, h, d, generator=g, dtype=dtype) for h in (hq, hkv, hkv))
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    ref = dense_reference(q, k_cache, v_cache, tables, ctx_lens, q_lens, masks, block_size)
+    ref = dense_reference(q.double(), k_cache.double(), v_cache.double(), tables, ctx_lens,
+                          q_lens, masks, block_size).to(dtype)
     return (q, k, v, k_cache, v_cache, meta), ref
 
 
@@ -86,6 +90,27 @@ def mixed_shapes(block_size: int, seed: int) -> list[tuple[int, int, bool]]:
 def test_sdpa_paged_attention_matches_dense_masked_attention(hq, hkv, d, block_size):
     args, ref = make_step(hq, hkv, d, block_size, mixed_shapes(block_size, hq), seed=block_size)
     torch.testing.assert_close(sdpa_paged_attention(*args), ref, rtol=1e-10, atol=1e-10)
+
+
+needs_kernel = pytest.mark.skipif(default_paged_backend(torch.device("cpu"), torch.float32)
+                                  != "cpu", reason="no C++ compiler built the CPU kernel")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (8, 8, 32, 4), (8, 1, 16, 7)])
+def test_cpu_paged_attention_matches_dense_masked_attention(hq, hkv, d, block_size, dtype, tol):
+    """The C++ kernel takes the unmasked decodes and verifications (meta.direct), sdpa the
+    tree masks and prompts, in one mixed step; the result is float64 attention's."""
+    shapes = mixed_shapes(block_size, hq)
+    args, ref = make_step(hq, hkv, d, block_size, shapes, seed=block_size, dtype=dtype,
+                          direct=True)
+    meta = args[-1]
+    short = [s for s in shapes if s[0] > 0 and s[1] <= SHORT_QUERY and not s[2]]
+    assert meta.direct.numel() == len(short) and meta.groups    # the trees go to sdpa
+    out = cpu_paged_attention(*args)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref.double(), rtol=tol, atol=tol)
 
 
 def test_verifications_of_several_tokens_batch_together():

@@ -17,7 +17,11 @@ the layer's caches and the :class:`PagedMetadata`, and return [N, Hq, D]:
   ``QUERY_GROUP``: their blocks gathered whole into a padded [B, Hkv, L, D] batch, their queries
   padded to the group's longest, one masked SDPA call. A sequence with nothing cached runs causal
   SDPA over its own new keys (no gather); a long chunk over a cached prefix gathers its own keys.
-  Runs anywhere; the CPU default.
+  Runs anywhere; the CPU fallback.
+- ``cpu``: the sequences ``sdpa`` would pad into groups, when they bring no tree mask, go to a
+  C++ kernel that reads their blocks in place (``minillm.kernels.cpu_paged_attention``): no
+  gather, no padding, no mask; the rest as ``sdpa``. The CPU default where a C++ compiler
+  built the kernel (float32 and bfloat16 models).
 - ``triton``: the paged kernels of chapter 05 read the blocks in place: split-KV decode when every
   sequence has one new token, otherwise one paged prefill kernel over the mixed batch
   (Pensieve-style). Tree masks are not in the kernels: a step with one falls back to ``sdpa``.
@@ -72,6 +76,8 @@ class PagedMetadata:
     q_lens (new tokens), ctx_lens (tokens cached before this step), starts (first row of each
     sequence). ``groups``: the padded groups (:class:`QueryGroup`); ``singles``: the other
     sequences, attended one by one. ``has_masks``: some sequence brought a tree mask.
+    ``direct``: int32 [M], sequences left to a kernel that reads the blocks in place (built
+    with ``direct=True``: the ones a group would hold that bring no mask), else None.
     """
 
     slot_mapping: torch.Tensor
@@ -85,6 +91,7 @@ class PagedMetadata:
     groups: list[QueryGroup] = field(default_factory=list)
     singles: list[int] = field(default_factory=list)
     has_masks: bool = False
+    direct: torch.Tensor | None = None
 
     @property
     def max_q_len(self) -> int:
@@ -145,11 +152,13 @@ class StepBuffers:
 def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: list[int],
                    block_size: int, device: torch.device,
                    masks: Sequence[torch.Tensor | None] | None = None,
-                   q_per_kv: int = 1, buffers: StepBuffers | None = None) -> PagedMetadata:
+                   q_per_kv: int = 1, buffers: StepBuffers | None = None,
+                   direct: bool = False) -> PagedMetadata:
     """Metadata for S sequences from their block tables and token counts (Python lists), in
     the order given (see :func:`batch_order`). ``masks[i]``: bool [q_lens[i], q_lens[i]] or
     None (causal); ``q_per_kv``: query heads per KV head (GQA); ``buffers``: write the tensors
-    into these (:class:`StepBuffers`) instead of fresh ones."""
+    into these (:class:`StepBuffers`) instead of fresh ones; ``direct``: list the unmasked
+    short queries in ``meta.direct`` instead of padding them into groups."""
     masks = list(masks) if masks is not None else [None] * len(q_lens)
     for i, (m, n) in enumerate(zip(masks, q_lens)):
         if m is not None and tuple(m.shape) != (n, n):
@@ -176,9 +185,13 @@ def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: l
                          starts=starts[:-1], block_size=block_size,
                          has_masks=any(m is not None for m in masks))
     pending: list[int] = []
+    direct_seqs: list[int] = []
     for i, (c, n, m) in enumerate(zip(ctx_lens, q_lens, masks)):
         if not grouped(c, n, m is not None):
             meta.singles.append(i)
+            continue
+        if direct and m is None:
+            direct_seqs.append(i)
             continue
         if pending and (pending[-1] != i - 1 or len(pending) == QUERY_GROUP):
             meta.groups.append(_group(pending, meta, block_tables, masks, q_per_kv, device))
@@ -186,6 +199,8 @@ def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: l
         pending.append(i)
     if pending:
         meta.groups.append(_group(pending, meta, block_tables, masks, q_per_kv, device))
+    if direct:
+        meta.direct = torch.tensor(direct_seqs, dtype=torch.int32, device=device)
     return meta
 
 
@@ -226,7 +241,13 @@ def sdpa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: PagedMetadata) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D] (see the module docstring)."""
-    out = torch.empty_like(q)
+    return _attend_groups_and_singles(q, k, v, k_cache, v_cache, meta, torch.empty_like(q))
+
+
+def _attend_groups_and_singles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               meta: PagedMetadata, out: torch.Tensor) -> torch.Tensor:
+    """Write the rows of ``meta.groups`` and ``meta.singles`` into ``out`` [N, Hq, D]."""
     for g in meta.groups:
         out[g.start:g.end] = _attend_group(q, k_cache, v_cache, g)
     for i in meta.singles:
@@ -283,9 +304,35 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    check_values=False)[0]
 
 
+def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: PagedMetadata) -> torch.Tensor:
+    """The same contract, ``meta.direct`` through the C++ kernel (metadata built with
+    ``direct=True``), the rest as :func:`sdpa_paged_attention`."""
+    from ..kernels import cpu_paged_attention as kernel
+
+    out = torch.empty_like(q)
+    if meta.direct is not None and meta.direct.numel():
+        kernel.attend_in_place(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                               meta.cu_seqlens_q, meta.direct, out)
+    return _attend_groups_and_singles(q, k, v, k_cache, v_cache, meta, out)
+
+
 PagedAttentionFn = Callable[..., torch.Tensor]
 PAGED_BACKENDS: dict[str, PagedAttentionFn] = {"sdpa": sdpa_paged_attention,
-                                               "triton": triton_paged_attention}
+                                               "triton": triton_paged_attention,
+                                               "cpu": cpu_paged_attention}
+DIRECT_BACKENDS = frozenset({"cpu"})     # build their metadata with direct=True
+
+
+def default_paged_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """triton on CUDA; on the CPU the C++ kernel where it builds and takes ``dtype``, else sdpa."""
+    if device.type == "cuda":
+        return "triton"
+    from ..kernels import cpu_paged_attention as kernel
+
+    return "cpu" if device.type == "cpu" and dtype in kernel.DTYPES and kernel.available() \
+        else "sdpa"
 
 
 def get_paged_backend(name: str) -> PagedAttentionFn:

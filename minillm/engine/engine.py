@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..attention.paged import default_paged_backend
 from ..cache.block_manager import BlockManager, blocks_for
 from ..cache.offload import OffloadConfig, TieredKVStore, model_fingerprint, physical_memory
 from ..cache.pool import block_bytes
@@ -56,7 +57,9 @@ class EngineConfig(SchedulerConfig):
 
     num_kv_blocks None sizes the pool from ``kv_cache_memory`` bytes (None: 90% of free GPU
     memory on CUDA, 2 GiB on the CPU). ``swap_space`` GiB of CPU memory hold swapped blocks.
-    ``attention_backend`` None is "triton" on CUDA, "sdpa" elsewhere. ``pack_linears`` None
+    ``attention_backend`` None is "triton" on CUDA, on the CPU "cpu" (the C++ paged kernel)
+    where it builds, else "sdpa" (:func:`~minillm.attention.paged.default_paged_backend`).
+    ``pack_linears`` None
     swaps the model's linears for oneDNN-packed ones (:class:`minillm.model.PackedLinear`, same
     parameters, in place) where that applies: float32 on the CPU. ``trace_steps``: how many
     recent :class:`StepRecord` s ``LLMEngine.trace`` keeps. ``static_buffers`` (None: on CUDA)
@@ -156,8 +159,7 @@ class LLMEngine:
         num_cpu = 0 if config.preemption == "recompute" else \
             int(config.swap_space * GiB) // block_bytes(model.cfg, config.block_size, model.dtype)
         check_pool_fits(model, num_blocks, num_cpu, config.block_size)
-        backend = config.attention_backend or ("triton" if model.device.type == "cuda"
-                                               else "sdpa")
+        backend = config.attention_backend or default_paged_backend(model.device, model.dtype)
         cache = make_prefix_cache(config.prefix_cache, config.block_size) \
             if config.enable_prefix_caching else None
         self.blocks = BlockManager(num_blocks, config.block_size, num_cpu, config.watermark,

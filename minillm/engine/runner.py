@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention.paged import StepBuffers, batch_order, build_metadata, get_paged_backend
+from ..attention.paged import (DIRECT_BACKENDS, StepBuffers, batch_order, build_metadata,
+                               get_paged_backend)
 from ..cache.offload import LayerwiseLoad, LoadTiming
 from ..cache.pool import PagedBatch, PagedKVPool
 from ..model.packed import can_pack_linears, pack_linears
@@ -122,7 +123,8 @@ class ModelRunner:
         meta = build_metadata([tables[w.seq.seq_id] for w in work],
                               [w.seq.num_computed for w in work], [w.num_tokens for w in work],
                               self.block_size, dev, [masks.get(w.seq.seq_id) for w in work],
-                              q_per_kv=cfg.n_heads // cfg.n_kv_heads, buffers=self.buffers)
+                              q_per_kv=cfg.n_heads // cfg.n_kv_heads, buffers=self.buffers,
+                              direct=self.attention_backend in DIRECT_BACKENDS)
         inputs = self.buffers.fill(input_ids=ids, positions=pos) if self.buffers else None
         if inputs is None:
             inputs = {"input_ids": torch.tensor(ids, device=dev),

@@ -1,0 +1,369 @@
+"""Attention over the paged KV cache on the CPU, reading the blocks where they lie (C++/OpenMP).
+
+The engine's portable path (``minillm.attention.paged``, backend ``sdpa``) gathers every
+sequence's blocks into a padded contiguous batch and calls SDPA with a mask: on the CPU, at 64
+decoding sequences, the gather copies the whole cache once per layer and SDPA then reads the
+copy again, which costs more than the attention itself. This kernel is the CPU twin of the
+Triton paged kernels of chapter 05: it walks each sequence's block table and streams the keys
+and values straight from ``k_cache, v_cache [num_blocks, block_size, Hkv, D]``, with the
+online-softmax update per block, so each K/V byte is read once per step and nothing is copied.
+
+Work item: one (sequence, kv head) pair, whose ``Hq // Hkv`` query heads (GQA) and new tokens
+are its query rows. OpenMP threads share the items; they are PyTorch's own OpenMP threads
+(this library links the same ``libgomp`` that torch has loaded), so there is no second pool
+fighting torch's for the cores. The arithmetic is fp32 (bf16 inputs are widened on load), with
+an exp of its own that the compiler vectorises (error ~1e-7 relative, which is float32's
+rounding). Semantics are those of ``paged_prefill_attention``: sequence i's new query r, with
+L = seq_lens[i] cached tokens of which n are new, sees keys j <= L - n + r.
+
+The C++ is compiled on first use with the machine's compiler (``-O3 -march=native``, about a
+second) into a cache folder keyed by the source, the flags and the CPU, and loaded with
+ctypes (a direct call: a ``torch.library`` custom op would add about 0.3 ms of dispatch per
+layer, 5% of a batch-64 step; the engine's step runs eagerly, so nothing needs to trace it).
+:func:`available` says whether the build worked; the engine uses this kernel on the CPU only
+when it did, else the SDPA path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.profiler import record_function
+
+DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+MAX_HEAD_DIM = 256
+
+SOURCE = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+static inline float widen(float x) { return x; }
+static inline float widen(uint16_t x) {            // bfloat16 -> float32: the high half
+    uint32_t u = (uint32_t)x << 16; float f; std::memcpy(&f, &u, 4); return f;
+}
+static inline void narrow(float x, float* y) { *y = x; }
+static inline void narrow(float x, uint16_t* y) {  // float32 -> bfloat16, round to nearest even
+    uint32_t u; std::memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { *y = 0x7fc0; return; }   // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u); *y = (uint16_t)(u >> 16);
+}
+
+// exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7
+// (error below 2e-8), 2^n put into the exponent bits. n is rounded by adding 1.5 * 2^23 (whose
+// low mantissa bits then hold it), so the function is plain arithmetic and loops vectorise.
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float magic = 12582912.0f;
+    const float t = x * 1.44269504088896341f + magic, n = t - magic;
+    int32_t bits;
+    std::memcpy(&bits, &t, 4);
+    const int32_t ni = bits - 0x4B400000;
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f; p = p * r + 1.0f / 120.0f; p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f; p = p * r + 0.5f; p = p * r + 1.0f; p = p * r + 1.0f;
+    std::memcpy(&bits, &p, 4);
+    bits += ni * (1 << 23);
+    std::memcpy(&p, &bits, 4);
+    return p;
+}
+
+// 8 floats as one value: AVX2 / AVX-512 registers (two SSE ones on older CPUs)
+typedef float f8 __attribute__((vector_size(32)));
+static inline f8 load8(const float* p) { f8 v; std::memcpy(&v, p, 32); return v; }
+static inline void store8(float* p, f8 v) { std::memcpy(p, &v, 32); }
+
+// q . k over D floats (D a multiple of 8 known when compiled; D == 0: d, any)
+template <int64_t D>
+static inline float dot(const float* __restrict q, const float* __restrict k, int64_t d) {
+    if constexpr (D > 0) {
+        f8 s = load8(q) * load8(k);
+        for (int64_t e = 8; e < D; e += 8) s += load8(q + e) * load8(k + e);
+        return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+    }
+    float s = 0.0f;
+    for (int64_t e = 0; e < d; ++e) s += q[e] * k[e];
+    return s;
+}
+
+// out[j] = q . k[j * stride : + D] for 8 keys at once: eight running sums, then one
+// transposing horizontal add (AVX2), instead of a horizontal add per key.
+template <int64_t D>
+static inline void dot8(const float* __restrict q, const float* __restrict k, int64_t stride,
+                        float* __restrict out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (D > 0) {
+        __m256 s[8];
+        const __m256 q0 = _mm256_loadu_ps(q);
+        for (int j = 0; j < 8; ++j) s[j] = _mm256_mul_ps(q0, _mm256_loadu_ps(k + j * stride));
+        for (int64_t e = 8; e < D; e += 8) {
+            const __m256 qe = _mm256_loadu_ps(q + e);
+            for (int j = 0; j < 8; ++j)
+                s[j] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(k + j * stride + e), s[j]);
+        }
+        const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+        const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20),
+                                            _mm256_permute2f128_ps(a, b, 0x31)));
+        return;
+    }
+#endif
+    for (int j = 0; j < 8; ++j) out[j] = dot<D>(q, k + j * stride, D);
+}
+
+// The keys or values of one block as floats: bfloat16 widened into buf, float32 read in place.
+static inline const float* as_float(const float* src, float*, int64_t) { return src; }
+static inline const float* as_float(const uint16_t* src, float* buf, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) buf[i] = widen(src[i]);
+    return buf;
+}
+
+// acc = alpha * acc + sum_o w[o] * v[o * stride : + d], with acc kept in registers (D > 0)
+template <int64_t D>
+static inline void accumulate(float* __restrict acc, float alpha, const float* __restrict w,
+                              const float* __restrict v, int64_t stride, int64_t n, int64_t d) {
+    if constexpr (D > 0) {
+        f8 a[D / 8];
+        for (int64_t e = 0; e < D / 8; ++e) a[e] = load8(acc + 8 * e) * alpha;
+        for (int64_t o = 0; o < n; ++o)
+            for (int64_t e = 0; e < D / 8; ++e) a[e] += w[o] * load8(v + o * stride + 8 * e);
+        for (int64_t e = 0; e < D / 8; ++e) store8(acc + 8 * e, a[e]);
+        return;
+    }
+    for (int64_t e = 0; e < d; ++e) acc[e] *= alpha;
+    for (int64_t o = 0; o < n; ++o)
+        for (int64_t e = 0; e < d; ++e) acc[e] += w[o] * v[o * stride + e];
+}
+
+template <typename T, int64_t D>                 // D > 0: the head dim, known when compiled
+static void attend(const T* q, const T* kc, const T* vc, const int32_t* tables, int64_t width,
+                   const int32_t* seq_lens, const int32_t* cu_q, const int32_t* seqs,
+                   int64_t n_seqs, T* out, int64_t hq, int64_t hkv, int64_t dim, int64_t bs,
+                   float scale) {
+    const int64_t d = D > 0 ? D : dim, g = hq / hkv, row = hkv * d;         // one cached token: all kv heads
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t item = 0; item < n_seqs; ++item) {
+        const int64_t s = seqs[item], q0 = cu_q[s], nq = cu_q[s + 1] - q0;
+        const int64_t len = seq_lens[s], ctx = len - nq, rows = nq * hq;
+        std::vector<float> qf(rows * d), acc(rows * d, 0.0f), m(rows, -INFINITY),
+            l(rows, 0.0f), kbuf(bs * row), vbuf(bs * row), p(bs + 8);
+        for (int64_t i = 0; i < rows * d; ++i) qf[i] = widen(q[q0 * hq * d + i]) * scale;
+        for (int64_t p0 = 0; p0 < len; p0 += bs) {
+            const int64_t n = len - p0 < bs ? len - p0 : bs;
+            const T* kb = kc + tables[s * width + p0 / bs] * bs * row;
+            const T* vb = vc + tables[s * width + p0 / bs] * bs * row;
+            if (p0 + bs < len) {          // ask for the next block now: blocks lie anywhere
+                const char* kn = (const char*)(kc + tables[s * width + p0 / bs + 1] * bs * row);
+                const char* vn = (const char*)(vc + tables[s * width + p0 / bs + 1] * bs * row);
+                for (int64_t c = 0; c < (int64_t)(bs * row * sizeof(T)); c += 64) {
+                    __builtin_prefetch(kn + c); __builtin_prefetch(vn + c);
+                }
+            }
+            const float* kf = as_float(kb, kbuf.data(), n * row);
+            const float* vf = as_float(vb, vbuf.data(), n * row);
+            for (int64_t r = 0; r < rows; ++r) {             // r = new token t, query head
+                const int64_t seen = ctx + r / hq + 1 - p0;      // keys of this block it sees
+                const int64_t cnt = seen < n ? seen : n, kvh = (r % hq) / g;
+                if (cnt <= 0) continue;
+                const float* qr = &qf[r * d];
+                float best = m[r];
+                int64_t o = 0;
+                if (D > 0)
+                    for (; o + 8 <= cnt; o += 8) dot8<D>(qr, &kf[o * row + kvh * d], row, &p[o]);
+                for (; o < cnt; ++o) p[o] = dot<D>(qr, &kf[o * row + kvh * d], d);
+                for (o = 0; o < cnt; ++o) best = p[o] > best ? p[o] : best;
+                const float alpha = exp_neg(m[r] - best);
+                float sum = 0.0f;
+                #pragma omp simd reduction(+:sum)
+                for (int64_t o = 0; o < cnt; ++o) { p[o] = exp_neg(p[o] - best); sum += p[o]; }
+                accumulate<D>(&acc[r * d], alpha, p.data(), vf + kvh * d, row, cnt, d);
+                l[r] = l[r] * alpha + sum;
+                m[r] = best;
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const float inv = 1.0f / l[r];
+            T* dst = &out[(q0 * hq + r) * d];
+            for (int64_t e = 0; e < d; ++e) narrow(acc[r * d + e] * inv, &dst[e]);
+        }
+    }
+}
+
+#define ENTRY(NAME, T)                                                                      \
+extern "C" void NAME(const void* q, const void* kc, const void* vc, const int32_t* tables,  \
+                     int64_t width, const int32_t* seq_lens, const int32_t* cu_q,            \
+                     const int32_t* seqs, int64_t n_seqs, void* out, int64_t hq, int64_t hkv, \
+                     int64_t d, int64_t bs, float scale) {                                  \
+    auto run = d == 64 ? attend<T, 64> : d == 128 ? attend<T, 128> : attend<T, 0>;         \
+    run((const T*)q, (const T*)kc, (const T*)vc, tables, width, seq_lens, cu_q, seqs,       \
+        n_seqs, (T*)out, hq, hkv, d, bs, scale);                                            \
+}
+ENTRY(paged_attention_f32, float)
+ENTRY(paged_attention_bf16, uint16_t)
+"""
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MINILLM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minillm")
+    return Path(root) / "cpu_kernels"
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU model and flags (Linux), else the platform."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+        return "\n".join(ln for ln in info.splitlines() if ln.startswith(("model name", "flags")))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """Compile (once per source, flags and CPU) and load the kernels; None if there is no C++
+    compiler or it fails (the reason is kept in :func:`unavailable_reason`)."""
+    global _REASON
+    _REASON = ""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None or shutil.which(compiler) is None:
+        _REASON = f"no C++ compiler: {compiler or 'g++ or $CXX'} not found"
+        return None
+    key = hashlib.sha256("\0".join([SOURCE, compiler, *FLAGS, _cpu_signature()]).encode())
+    path = _cache_dir() / f"paged_attention_{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            src, lib = Path(tmp) / "paged_attention.cpp", Path(tmp) / "lib.so"
+            src.write_text(SOURCE)
+            done = subprocess.run([compiler, *FLAGS, str(src), "-o", str(lib)],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                _REASON = f"{compiler} failed: {done.stderr.strip()[-500:]}"
+                return None
+            os.replace(lib, path)             # atomic: concurrent builders agree
+    lib = ctypes.CDLL(str(path))
+    for name in ("paged_attention_f32", "paged_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + \
+            [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float]
+    return lib
+
+
+_REASON = ""
+
+
+def available() -> bool:
+    """Can the kernel run here (a C++ compiler built it)?"""
+    return _library() is not None
+
+
+def unavailable_reason() -> str:
+    """Why :func:`available` is False ('' when it is True)."""
+    _library()
+    return _REASON
+
+
+def attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, seqs: torch.Tensor, out: torch.Tensor,
+                    scale: float | None = None) -> None:
+    """The C++ call itself, unchecked (for the engine, which built every index it passes; use
+    :func:`cpu_paged_attention` otherwise): writes sequences ``seqs``' rows of ``out``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    fn = getattr(_library(), f"paged_attention_{DTYPES[q.dtype]}")
+    hq, d = q.shape[1:]
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),
+            seqs.data_ptr(), seqs.shape[0], out.data_ptr(), hq, k_cache.shape[2], d,
+            k_cache.shape[1], scale)
+    if torch.autograd.profiler._is_profiler_enabled:   # a row of torch.profiler's table
+        with record_function("minillm::cpu_paged_attention"):
+            fn(*args)
+    else:                                              # (the annotation costs ~30 us a call)
+        fn(*args)
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+           seqs: torch.Tensor, out: torch.Tensor) -> None:
+    """Raise ValueError naming the argument unless the call is one the kernel can do."""
+    for name, t in [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)]:
+        if t.device.type != "cpu" or t.dtype not in DTYPES or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CPU tensor of dtype float32 or "
+                             f"bfloat16, got {t.dtype} on {t.device}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    for name, t in [("block_tables", block_tables), ("seq_lens", seq_lens),
+                    ("cu_seqlens_q", cu_seqlens_q), ("seqs", seqs)]:
+        if t.device.type != "cpu" or t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32 CPU tensor, got {t.dtype}")
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"q must be [N, Hq, D] and k_cache, v_cache [blocks, block_size, Hkv, D]"
+                         f", got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    hq, d = q.shape[1:]
+    if k_cache.shape[3] != d or d > MAX_HEAD_DIM or hq % k_cache.shape[2]:
+        raise ValueError(f"head_dim must match (q {d}, cache {k_cache.shape[3]}, at most "
+                         f"{MAX_HEAD_DIM}) and Hkv ({k_cache.shape[2]}) must divide Hq ({hq})")
+    if out.shape != q.shape:
+        raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+
+
+def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, seqs: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None, scale: float | None = None,
+                        check_values: bool = True) -> torch.Tensor:
+    """Causal attention of packed new queries q [N, Hq, D] over the paged cache (the contract
+    of ``paged_prefill_attention``: block_tables int32 [S, W], seq_lens int32 [S] cached tokens
+    including the new ones, cu_seqlens_q int32 [S + 1]). ``seqs`` int32 [M]: the sequences to
+    attend (default all); only their rows of ``out`` [N, Hq, D] are written (``out`` default: a
+    new tensor, the other rows uninitialised). ``check_values`` also checks the tables' and
+    lengths' values against the cache (a host pass; the engine, which built them, skips it)."""
+    if not available():
+        raise RuntimeError(f"the CPU paged-attention kernel is unavailable: "
+                           f"{unavailable_reason()}")
+    seqs = torch.arange(seq_lens.shape[0], dtype=torch.int32) if seqs is None else seqs
+    out = torch.empty_like(q) if out is None else out
+    _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seqs, out)
+    if check_values:
+        _check_values(q, k_cache, block_tables, seq_lens, cu_seqlens_q, seqs)
+    attend_in_place(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seqs, out, scale)
+    return out
+
+
+def _check_values(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, seqs: torch.Tensor) -> None:
+    """Every index the kernel will follow is in range (it reads raw memory)."""
+    s = seq_lens.shape[0]
+    if cu_seqlens_q.shape[0] != s + 1 or block_tables.shape[0] != s:
+        raise ValueError(f"cu_seqlens_q must have S + 1 = {s + 1} entries and block_tables S "
+                         f"rows, got {cu_seqlens_q.shape[0]} and {block_tables.shape[0]}")
+    cu, lens = cu_seqlens_q.long(), seq_lens.long()
+    n_new = cu[1:] - cu[:-1]
+    if cu[0] != 0 or (n_new < 0).any() or cu[-1] > q.shape[0]:
+        raise ValueError(f"cu_seqlens_q must rise from 0 to at most N = {q.shape[0]}")
+    if ((lens < n_new) | (lens > block_tables.shape[1] * k_cache.shape[1])).any():
+        raise ValueError("seq_lens must be at least each sequence's new tokens and fit its "
+                         "block table")
+    if seqs.numel() and (seqs.min() < 0 or seqs.max() >= s):
+        raise ValueError(f"seqs must index the S = {s} sequences")
+    used = torch.arange(block_tables.shape[1]) < (-(-lens // k_cache.shape[1]))[:, None]
+    blocks = block_tables[used]
+    if blocks.numel() and (blocks.min() < 0 or blocks.max() >= k_cache.shape[0]):
+        raise ValueError(f"block_tables entries must be block ids in [0, {k_cache.shape[0]})")

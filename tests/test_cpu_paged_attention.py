@@ -1,0 +1,116 @@
+"""The CPU paged-attention kernel (C++ via ctypes) against the float64 gather-then-attend
+reference of ``minillm.kernels.paged_attention``; its input checks; the engine's fallback when
+no compiler builds it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.device import setup_triton
+
+setup_triton()
+from minillm.kernels import cpu_paged_attention as kernel  # noqa: E402
+from minillm.kernels.paged_attention import paged_prefill_reference  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not kernel.available(),
+                                reason=f"CPU kernel not built: {kernel.unavailable_reason()}")
+
+
+def make_case(hq=9, hkv=3, d=64, bs=16, ctx=(37, 0, 16, 100, 5, 250), new=(1, 1, 3, 7, 5, 64),
+              dtype=torch.float32, seed=0):
+    """Shuffled physical blocks; sequence i has ctx[i] cached and new[i] new tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [c + n for c, n in zip(ctx, new)]
+    width = max(-(-n // bs) for n in lens)
+    num_blocks = sum(-(-n // bs) for n in lens) + 7
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        k = -(-n // bs)
+        tables[i, :k] = perm[used:used + k]
+        used += k
+    kc, vc = (torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+    cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d, generator=g).to(dtype)
+    return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), cu
+
+
+def reference(q, kc, vc, tables, lens, cu):
+    return paged_prefill_reference(q.double(), kc.double(), vc.double(), tables, cu, lens)[0]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 128, 8), (6, 2, 40, 5),
+                                          (2, 1, 16, 32)])
+def test_matches_float64_reference(hq, hkv, d, bs, dtype, tol):
+    """Head dims 64 and 128 (compiled for) and others (the generic loop), GQA and MHA, block
+    sizes that do and do not divide the lengths; decodes and causal chunks over a prefix."""
+    case = make_case(hq, hkv, d, bs, dtype=dtype, seed=d + bs)
+    out = kernel.cpu_paged_attention(*case)
+    assert out.dtype == dtype and out.shape == case[0].shape
+    err = (out.double() - reference(*case)).abs().max().item()
+    assert err < tol * (1 if dtype == torch.float32 else 4), err
+
+
+def test_only_the_chosen_sequences_rows_are_written():
+    q, kc, vc, tables, lens, cu = make_case()
+    out = torch.full_like(q, 7.0)
+    seqs = torch.tensor([3, 1], dtype=torch.int32)
+    kernel.cpu_paged_attention(q, kc, vc, tables, lens, cu, seqs, out=out)
+    ref = reference(q, kc, vc, tables, lens, cu)
+    for i in range(len(lens)):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        if i in (1, 3):
+            torch.testing.assert_close(out[rows].double(), ref[rows], rtol=2e-6, atol=2e-6)
+        else:
+            assert (out[rows] == 7.0).all()
+
+
+def test_one_thread_and_two_give_the_same_result():
+    case = make_case(seed=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.cpu_paged_attention(*case)
+        torch.set_num_threads(2)
+        two = kernel.cpu_paged_attention(*case)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+BAD = {
+    "q": lambda c: (c[0].half(), *c[1:]),
+    "k_cache": lambda c: (c[0], c[1].transpose(1, 2), *c[2:]),
+    "block_tables": lambda c: (*c[:3], c[3].long(), *c[4:]),
+    "block_tables ": lambda c: (*c[:3], c[3] + 1000, *c[4:]),
+    "seq_lens": lambda c: (*c[:4], c[4] + 10_000, c[5]),
+    "cu_seqlens_q": lambda c: (*c[:5], c[5][:-1]),
+    "head_dim": lambda c: (c[0][..., :32].contiguous(), *c[1:]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_names_the_parameter(name):
+    with pytest.raises(ValueError, match=name.strip()):
+        kernel.cpu_paged_attention(*BAD[name](make_case()))
+
+
+def test_without_a_compiler_the_engine_falls_back_to_sdpa(monkeypatch, tmp_path):
+    from minillm.attention.paged import default_paged_backend
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+    kernel._library.cache_clear()
+    try:
+        assert not kernel.available()
+        assert "no-such-compiler" in kernel.unavailable_reason()
+        assert default_paged_backend(torch.device("cpu"), torch.float32) == "sdpa"
+        with pytest.raises(RuntimeError, match="unavailable"):
+            kernel.cpu_paged_attention(*make_case())
+    finally:
+        monkeypatch.undo()
+        kernel._library.cache_clear()
+    assert default_paged_backend(torch.device("cpu"), torch.float16) == "sdpa"
+    assert default_paged_backend(torch.device("cpu"), torch.float32) == "cpu"
