@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import minillm
-from minillm.model.packed import PackedLinear, can_pack_linears, pack_linears
+from minillm.model.packed import PackedGroup, PackedLinear, can_pack_linears, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack_linears(torch.device("cpu"), torch.float32),
                                 reason="this PyTorch has no oneDNN linear")
@@ -68,3 +68,41 @@ def test_pack_linears_keeps_parameters_tying_and_logits():
     with torch.inference_mode():
         torch.testing.assert_close(clone(ids), plain(ids), rtol=1e-4, atol=1e-4)
     assert pack_linears(model) == 0  # idempotent
+
+
+def test_packed_group_equals_its_linears_in_float64_and_repacks():
+    """q, k, v (or gate, up) as one matmul: each output equals its own linear in float64; an
+    in-place change of one weight repacks; autograd runs them one by one."""
+    torch.manual_seed(1)
+    owner = nn.Module()
+    lins = [nn.Linear(96, n, bias=False) for n in (96, 32, 32)]
+    for name, lin in zip("qkv", lins):
+        setattr(owner, name, lin)
+    group = PackedGroup(owner, "q", "k", "v")
+    x = torch.randn(5, 96)
+    with torch.inference_mode():
+        outs = group(x)
+        for lin, out in zip(lins, outs):
+            torch.testing.assert_close(out.double(), F.linear(x.double(), lin.weight.double()),
+                                       rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        lins[1].weight.mul_(-1)
+        torch.testing.assert_close(group(x)[1], -outs[1])
+    sum(o.sum() for o in group(x)).backward()
+    assert all(lin.weight.grad is not None for lin in lins)
+    owner.k = nn.Linear(96, 32, bias=True)        # swapped later, with a bias: used as it is
+    with torch.inference_mode():
+        torch.testing.assert_close(group(x)[1], owner.k(x))
+
+
+def test_pack_linears_groups_attention_and_ffn_inputs():
+    model, _ = minillm.load_model("tiny", device="cpu", dtype="float32")
+    plain = copy.deepcopy(model)
+    pack_linears(model)
+    block = model.layers[0]
+    assert isinstance(block.attn.input_group, PackedGroup)
+    assert block.attn.input_group.names == ("wq", "wk", "wv")
+    assert isinstance(block.ffn.input_group, PackedGroup)
+    ids = torch.randint(0, model.cfg.vocab_size, (3, 11))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids), plain(ids), rtol=1e-4, atol=1e-4)

@@ -61,6 +61,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.backend = sdpa_attention  # see Transformer.set_attention_backend
+        self.input_group = None  # wq, wk, wv as one matmul (minillm.model.packed.pack_linears)
         self.keep_probs = False  # set True to record attention maps (slow path)
         self.last_probs: torch.Tensor | None = None
 
@@ -69,10 +70,14 @@ class Attention(nn.Module):
         """x [B, T, D], cos/sin [B or 1, 1, T, hd] -> [B, T, D]. ``kv`` [B, T, D]: other rows to
         take keys and values from (a block drafter's context rows), default x."""
         b, t, _ = x.shape
-        kv = x if kv is None else kv
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(kv).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(kv).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if kv is None and self.input_group is not None:
+            q, k, v = self.input_group(x)
+        else:
+            kv = x if kv is None else kv
+            q, k, v = self.wq(x), self.wk(kv), self.wv(kv)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -93,9 +98,11 @@ class SwiGLU(nn.Module):
         self.w_gate = nn.Linear(d_model, ffn_dim, bias=False)
         self.w_up = nn.Linear(d_model, ffn_dim, bias=False)
         self.w_down = nn.Linear(ffn_dim, d_model, bias=False)
+        self.input_group = None  # w_gate, w_up as one matmul (minillm.model.packed.pack_linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate(x), self.w_up(x)
+        gate, up = self.input_group(x) if self.input_group is not None else \
+            (self.w_gate(x), self.w_up(x))
         if torch.is_grad_enabled():
             return self.w_down(F.silu(gate) * up)
         # inference: reuse gate's buffer (two fewer [tokens, ffn_dim] allocations, like vLLM's

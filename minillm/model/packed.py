@@ -39,6 +39,47 @@ class PackedLinear(nn.Linear):
         return {**self.__dict__, "_packed": None}
 
 
+class PackedGroup:
+    """Linears that read the same input (attention's q, k, v; the FFN's gate and up) run as
+    one oneDNN matmul over their weights concatenated by output rows, packed once: fewer, wider
+    matmuls, which at the few rows of a decode step stream the weights faster (one call instead
+    of three; ``tests/test_packed_linear.py`` checks equality). Not a module: it names the
+    linears of ``owner`` and looks them up at each call, so the weights stay their own
+    Parameters (state_dict unchanged) and a linear swapped later (sharded, quantized) is used
+    as it is now. The concatenated copy is redone when a weight changes; a call that autograd
+    must see, off fp32 CPU, or over anything but bias-free plain linears runs them one by one.
+    Calling it returns the outputs in order, views of one [..., sum of out_features] result."""
+
+    def __init__(self, owner: nn.Module, *names: str) -> None:
+        self.owner, self.names = owner, names
+        self._packed: tuple[tuple, torch.Tensor] | None = None
+
+    def packed_weight(self, linears: list[nn.Linear]) -> torch.Tensor:
+        key = tuple((lin.weight.data_ptr(), lin.weight._version) for lin in linears)
+        if self._packed is None or self._packed[0] != key:
+            weight = torch.cat([lin.weight.detach() for lin in linears])
+            self._packed = key, torch.ops.mkldnn._reorder_linear_weight(weight)
+        return self._packed[1]
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        linears = [getattr(self.owner, n) for n in self.names]
+        if any(type(lin) not in (nn.Linear, PackedLinear) or lin.bias is not None
+               or lin.weight.is_inference() for lin in linears):   # (no version counter)
+            return tuple(lin(x) for lin in linears)
+        w = linears[0].weight
+        if any(lin.weight.dtype != w.dtype for lin in linears) \
+                or (torch.is_grad_enabled() and (x.requires_grad or any(
+                    lin.weight.requires_grad for lin in linears))) \
+                or not can_pack_linears(w.device, w.dtype) or x.dtype != w.dtype:
+            return tuple(lin(x) for lin in linears)
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(linears), None, "none",
+                                               [], "")
+        return y.split([lin.out_features for lin in linears], dim=-1)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_packed": None}
+
+
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :class:`PackedLinear` applies: float32 on a CPU whose PyTorch has oneDNN."""
     return (device.type == "cpu" and dtype == torch.float32
@@ -48,9 +89,17 @@ def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every plain ``nn.Linear`` of ``model`` by a :class:`PackedLinear` sharing its
-    parameters (in place); returns how many were replaced."""
+    parameters (in place), and give each attention its q/k/v and each SwiGLU its gate/up as
+    one :class:`PackedGroup` (used while they are bias-free plain linears); returns how many linears were replaced."""
+    from .layers import Attention, SwiGLU
+
     swaps = [(parent, name, child) for parent in model.modules()
              for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))
+    for m in model.modules():
+        if type(m) is Attention:
+            m.input_group = PackedGroup(m, "wq", "wk", "wv")
+        elif type(m) is SwiGLU:
+            m.input_group = PackedGroup(m, "w_gate", "w_up")
     return len(swaps)
