@@ -114,8 +114,9 @@ def test_profile_counts_every_linear_of_a_step(tiny, tmp_path):
 
 
 def test_engine_step_profile_sees_one_batched_attention_per_layer(tiny):
-    """Three decoding sequences share one padded group: one SDPA call per layer and step; the
-    profile stops when the engine runs out of work, counting only the steps it ran."""
+    """Three decoding sequences attended as one batch: one attention call per layer and step
+    (the CPU kernel, or SDPA over one padded group where it does not build); the profile stops
+    when the engine runs out of work, counting only the steps it ran."""
     from minillm.engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(tiny, None, EngineConfig(num_kv_blocks=32, block_size=4))
@@ -125,8 +126,11 @@ def test_engine_step_profile_sees_one_batched_attention_per_layer(tiny):
     engine.step()                                         # prefill all three
     prof = profile_engine_steps(engine, steps=50)
     assert prof.steps == 3 and not engine.has_unfinished()
-    sdpa = [r for r in prof.rows if r["name"] == "aten::scaled_dot_product_attention"]
-    assert sdpa and sdpa[0]["calls"] == tiny.cfg.n_layers
+    name = "minillm::cpu_paged_attention" if engine.runner.attention_backend == "cpu" \
+        else "aten::scaled_dot_product_attention"
+    attn = [r for r in prof.rows if r["name"] == name]
+    assert attn and attn[0]["calls"] == tiny.cfg.n_layers
+    assert attn[0]["category"] == "attention"
     with pytest.raises(ValueError, match="no request"):
         profile_engine_steps(engine)
 
