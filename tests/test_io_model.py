@@ -173,10 +173,14 @@ def test_bpt_blocks_must_come_in_order(tiny_block):
 
 
 @torch.inference_mode()
-def test_bpt_largest_intermediate_is_one_block_of_ffn(tiny_block):
+def test_bpt_largest_intermediate_is_one_block_of_ffn(tiny_block, monkeypatch):
     """Measured: the plain layer creates [B, T, ffn_dim] tensors; BPT at most [B, q, ffn_dim]
-    (or the [B, T, D] residual stream itself, which any layer holds)."""
+    (or the [B, T, D] residual stream itself, which any layer holds). Gate and up as separate
+    matmuls (an engine that served the shared model may have grouped them into one
+    [B, T, 2 ffn_dim] output: minillm.model.packed.PackedGroup)."""
     layer, x, cos, sin = tiny_block
+    monkeypatch.setattr(layer.ffn, "input_group", None)
+    monkeypatch.setattr(layer.attn, "input_group", None)
     b, t, dm = x.shape
     ffn_dim = layer.ffn.w_gate.out_features
     plain = io_model.largest_intermediate_bytes(lambda: layer(x, cos, sin))
