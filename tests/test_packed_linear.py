@@ -1,4 +1,4 @@
-"""PackedLinear (oneDNN-packed fp32 weights) against F.linear in float64 and the unpacked model."""
+"""PackedLinear (oneDNN-packed fp32 and bf16 weights) against F.linear in float64 and the unpacked model."""
 from __future__ import annotations
 
 import copy
@@ -40,15 +40,37 @@ def test_repacks_after_in_place_update_and_trains_through_f_linear():
     torch.testing.assert_close(lin.weight.grad, x.sum(0).expand(8, 16))
 
 
-def test_falls_back_to_f_linear_after_a_dtype_change():
+BF16 = pytest.mark.skipif(not can_pack_linears(torch.device("cpu"), torch.bfloat16),
+                          reason="oneDNN has no bf16 kernels for this CPU")
+
+
+@BF16
+@pytest.mark.parametrize("shape", [(1, 96), (64, 96), (2, 7, 96)])
+def test_packed_bf16_linear_equals_float64_of_the_bf16_operands(shape):
+    """bf16 packed: the float64 product of the same bf16 numbers, to bf16's output rounding."""
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 200, bias=True).to(torch.bfloat16)
+    x = torch.randn(shape).bfloat16()
+    want = F.linear(x.double(), lin.weight.double(), lin.bias.double())
+    with torch.inference_mode():
+        packed = PackedLinear(lin)
+        got = packed(x)
+    assert got.dtype == torch.bfloat16 and packed._packed is not None   # it took the oneDNN path
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=2e-2)
+
+
+def test_repacks_or_falls_back_after_a_dtype_change():
+    """Moved to bf16 it repacks where bf16 packs (else F.linear); moved to fp16 it never packs."""
     lin = PackedLinear(nn.Linear(16, 8, bias=False))
     x = torch.randn(3, 16)
     with torch.inference_mode():
         lin(x)  # packs the fp32 weight
-        lin.to(torch.bfloat16)
-        got = lin(x.bfloat16())
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got, F.linear(x.bfloat16(), lin.weight))
+        for dtype in (torch.bfloat16, torch.float16):
+            lin.to(dtype)
+            got = lin(x.to(dtype))
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, F.linear(x.to(dtype), lin.weight))
+    assert not can_pack_linears(torch.device("cpu"), torch.float16)
 
 
 def test_pack_linears_keeps_parameters_tying_and_logits():
@@ -106,3 +128,17 @@ def test_pack_linears_groups_attention_and_ffn_inputs():
     ids = torch.randint(0, model.cfg.vocab_size, (3, 11))
     with torch.inference_mode():
         torch.testing.assert_close(model(ids), plain(ids), rtol=1e-4, atol=1e-4)
+
+
+@BF16
+def test_packed_bf16_model_keeps_its_logits():
+    """The tiny model in bf16, packed (singles and groups), against the same model unpacked:
+    both round to bf16 after each matmul, so they agree to bf16's rounding of the logits."""
+    model, _ = minillm.load_model("tiny", device="cpu", dtype="bfloat16")
+    plain = copy.deepcopy(model)
+    pack_linears(model)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    with torch.inference_mode():
+        got, want = model(ids).float(), plain(ids).float()
+    assert model.layers[0].attn.input_group._packed is not None      # the group packed in bf16
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)

@@ -61,7 +61,8 @@ class EngineConfig(SchedulerConfig):
     where it builds, else "sdpa" (:func:`~minillm.attention.paged.default_paged_backend`).
     ``pack_linears`` None
     swaps the model's linears for oneDNN-packed ones (:class:`minillm.model.PackedLinear`, same
-    parameters, in place) where that applies: float32 on the CPU. ``trace_steps``: how many
+    parameters, in place) where that applies: float32 on the CPU, and bfloat16
+    where oneDNN has bf16 kernels for it. ``trace_steps``: how many
     recent :class:`StepRecord` s ``LLMEngine.trace`` keeps. ``static_buffers`` (None: on CUDA)
     keeps each step's inputs in tensors allocated once, ready for CUDA graph capture.
     ``enable_prefix_caching`` (chapter 08) keeps computed full blocks and reuses them for any

@@ -1,4 +1,5 @@
-"""oneDNN-packed linears for fast CPU inference (the engine applies them on fp32 CPU)."""
+"""oneDNN-packed linears for fast CPU inference (the engine applies them on the CPU in float32,
+and in bfloat16 where oneDNN has bf16 kernels)."""
 from __future__ import annotations
 
 import torch
@@ -8,11 +9,12 @@ from torch import nn
 
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose inference forward runs oneDNN on a copy of the weight reordered
-    once into oneDNN's blocked layout (CPU, float32). The weight Parameter is the original one
+    once into oneDNN's blocked layout (CPU; see :func:`can_pack_linears`). The weight Parameter is the original one
     (state_dict keys and weight tying are unchanged); the packed copy is redone if the weight is
     modified in place, and skipped when autograd needs the weight (training falls back to
-    ``F.linear``). On a small AVX2 CPU the gain is largest for the wide output head at tens of
-    rows, an engine decode step (``tests/test_packed_linear.py`` checks equality,
+    ``F.linear``). On a small AVX2 CPU (fp32) the gain is largest for the wide output head at
+    tens of rows, an engine decode step; on an AVX-512-BF16 CPU bf16 gains most at a few rows
+    (``tests/test_packed_linear.py`` checks equality,
     ``python -m minillm bench throughput`` measures the speed)."""
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -30,7 +32,7 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
                 or not can_pack_linears(self.weight.device, self.weight.dtype):
-            return F.linear(x, self.weight, self.bias)  # training, or moved off fp32 CPU
+            return F.linear(x, self.weight, self.bias)  # training, or moved off where it packs
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none",
                                                   [], "")
 
@@ -47,7 +49,7 @@ class PackedGroup:
     linears of ``owner`` and looks them up at each call, so the weights stay their own
     Parameters (state_dict unchanged) and a linear swapped later (sharded, quantized) is used
     as it is now. The concatenated copy is redone when a weight changes; a call that autograd
-    must see, off fp32 CPU, or over anything but bias-free plain linears runs them one by one.
+    must see, in a dtype or device that does not pack, or over anything but bias-free plain linears runs them one by one.
     Calling it returns the outputs in order, views of one [..., sum of out_features] result."""
 
     def __init__(self, owner: nn.Module, *names: str) -> None:
@@ -81,10 +83,13 @@ class PackedGroup:
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether :class:`PackedLinear` applies: float32 on a CPU whose PyTorch has oneDNN."""
-    return (device.type == "cpu" and dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether :class:`PackedLinear` applies: on a CPU whose PyTorch has oneDNN, float32, or
+    bfloat16 where oneDNN has bf16 kernels for this CPU (AVX-512 and up)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available() \
+            or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16
+                                      and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linears(model: nn.Module) -> int:
