@@ -313,6 +313,8 @@ def test_throughput_bench_counts_every_requested_token(tmp_path):
     prompt_tokens = sum(map(len, work.prompts))
     assert report["prompt_tokens"] == prompt_tokens
     assert stats["computed_tokens"] == prompt_tokens + sum(work.output_lens) - 4
+    assert stats["prefill_steps"] + stats["decode_steps"] == stats["steps"]
+    assert stats["prefill_steps"] >= 1 and stats["prefill_step_seconds"] > 0
     assert [r["engine"] for r in report["results"]] == ["minillm", "hf"]
     step = report["minillm_step_profile"]           # a decode step with every seat taken
     assert step["batch"] == 3 and step["ms_by_category"]["attention"] > 0

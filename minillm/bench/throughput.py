@@ -104,8 +104,19 @@ def run_minillm(model, tok, work: Workload, **options) -> dict:
              "peak_blocks_used": max(r.blocks_used for r in engine.trace),
              "num_blocks": engine.blocks.num_blocks,
              "preemptions": sum(o.metrics.num_preemptions for o in outs),
-             "ttft_p50_s": ttft[len(ttft) // 2], "tpot_p50_s": tpot[len(tpot) // 2]}
+             "ttft_p50_s": ttft[len(ttft) // 2], "tpot_p50_s": tpot[len(tpot) // 2],
+             **step_seconds(engine.trace)}
     return stats
+
+
+def step_seconds(trace) -> dict:
+    """Wall seconds of the steps that computed prompt tokens (mixed with decodes or not) and
+    of the decode-only ones, and how many of each: where an offline run's time went."""
+    prefill = [r for r in trace if r.prefill_tokens > 0]
+    decode = [r for r in trace if r.prefill_tokens == 0]
+    return {"prefill_steps": len(prefill), "decode_steps": len(decode),
+            "prefill_step_seconds": round(sum(r.end - r.start for r in prefill), 3),
+            "decode_step_seconds": round(sum(r.end - r.start for r in decode), 3)}
 
 
 def profile_minillm(model, tok, work: Workload, steps: int = 5, **options) -> dict | None:
