@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..config import SamplingParams
+from ..device import release_openmp_threads
 from ..engine.engine import LLMEngine
 from ..engine.outputs import EngineStats, RequestOutput
 from .metrics import ServerMetrics
@@ -129,6 +130,10 @@ class EngineLoop:
 
     # ---- event loop side -------------------------------------------------------------------
     def start(self) -> None:
+        """Start the engine thread. The starting thread (``serve``'s, which loaded the model)
+        first gives back its OpenMP workers, so that the engine thread's are the only ones and
+        stay awake between operators (:func:`minillm.device.release_openmp_threads`)."""
+        release_openmp_threads()
         self._thread.start()
 
     @property
