@@ -42,10 +42,11 @@ def reference(q, kc, vc, tables, lens, cu):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 128, 8), (6, 2, 40, 5),
-                                          (2, 1, 16, 32)])
+                                          (2, 1, 16, 32), (8, 2, 64, 48)])
 def test_matches_float64_reference(hq, hkv, d, bs, dtype, tol):
     """Head dims 64 and 128 (compiled for) and others (the generic loop), GQA and MHA, block
-    sizes that do and do not divide the lengths; decodes and causal chunks over a prefix."""
+    sizes that do and do not divide the lengths (and, 48, blocks that the AVX512-BF16 path
+    walks in three steps of 16 keys); decodes and causal chunks over a prefix."""
     case = make_case(hq, hkv, d, bs, dtype=dtype, seed=d + bs)
     out = kernel.cpu_paged_attention(*case)
     assert out.dtype == dtype and out.shape == case[0].shape
