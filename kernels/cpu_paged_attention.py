@@ -8,13 +8,18 @@ Triton paged kernels of chapter 05: it walks each sequence's block table and str
 and values straight from ``k_cache, v_cache [num_blocks, block_size, Hkv, D]``, with the
 online-softmax update per block, so each K/V byte is read once per step and nothing is copied.
 
-Work item: one (sequence, kv head) pair, whose ``Hq // Hkv`` query heads (GQA) and new tokens
-are its query rows. OpenMP threads share the items; they are PyTorch's own OpenMP threads
-(this library links the same ``libgomp`` that torch has loaded), so there is no second pool
-fighting torch's for the cores. The arithmetic is fp32 (bf16 inputs are widened on load), with
-an exp of its own that the compiler vectorises (error ~1e-7 relative, which is float32's
-rounding). Semantics are those of ``paged_prefill_attention``: sequence i's new query r, with
-L = seq_lens[i] cached tokens of which n are new, sees keys j <= L - n + r.
+Work item: one sequence, whose new tokens times its ``Hq`` query heads are its query rows (the
+``Hq // Hkv`` heads of a KV head read the same keys, from L1). OpenMP threads share the items;
+they are PyTorch's own OpenMP threads (this library links the same ``libgomp`` that torch has
+loaded), so there is no second pool fighting torch's for the cores. While a block is worked on,
+the next one is prefetched a slice of cache lines per query row: issued as one burst, the 192
+prefetches of a bfloat16 block stalled the loads behind them and the kernel ran at half speed.
+The arithmetic is fp32 with an exp of its own (error ~1e-7 relative, float32's rounding). On
+CPUs with AVX512-BF16 the bfloat16 kernel takes q . k from the cached bf16 values with
+``vdpbf16ps`` (bf16 products are exact in fp32, the sums fp32) and sums 16 keys' partial dot
+products with one transposing reduction; elsewhere bf16 is widened on load. Semantics are those
+of ``paged_prefill_attention``: sequence i's new query r, with L = seq_lens[i] cached tokens of
+which n are new, sees keys j <= L - n + r.
 
 The C++ is compiled on first use with the machine's compiler (``-O3 -march=native``, about a
 second) into a cache folder keyed by the source, the flags and the CPU, and loaded with
@@ -148,6 +153,21 @@ static inline void accumulate(float* __restrict acc, float alpha, const float* _
         for (int64_t e = 0; e < d; ++e) acc[e] += w[o] * v[o * stride + e];
 }
 
+// A work item: ``count`` new tokens of sequence ``s`` from its ``first``. A sequence's new tokens
+// are cut into items of at most CHUNK, so that one long prompt still keeps every thread busy
+// (each item walks the blocks its last token sees; they are in L2 by then).
+constexpr int64_t CHUNK = 32;
+struct Item { int64_t s, first, count; };
+static std::vector<Item> work_items(const int32_t* cu_q, const int32_t* seqs, int64_t n_seqs) {
+    std::vector<Item> items;
+    for (int64_t i = 0; i < n_seqs; ++i) {
+        const int64_t s = seqs[i], nq = cu_q[s + 1] - cu_q[s];
+        for (int64_t t = 0; t < nq; t += CHUNK)
+            items.push_back({s, t, nq - t < CHUNK ? nq - t : CHUNK});
+    }
+    return items;
+}
+
 // The next block's keys and values are fetched while this one is worked on, a slice of its
 // cache lines per query row: a whole block's prefetches in one burst (192 lines) stall the
 // loads behind them, and the kernel ran at half the speed. ``next`` < 0: nothing to fetch.
@@ -206,7 +226,8 @@ static inline __m512 exp_neg16(__m512 x) {
     const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
     __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f,
+                          1.0f})
         p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
     return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(ni, 23)));
 }
@@ -221,12 +242,22 @@ static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
                         int64_t hq, int64_t hkv, int64_t bs, float scale) {
     static_assert(D % 32 == 0, "a head is whole 32-lane bfloat16 registers");
     const int64_t g = hq / hkv, row = hkv * D;
+    const std::vector<Item> items = work_items(cu_q, seqs, n_seqs);
     #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = 0; item < n_seqs; ++item) {
-        const int64_t s = seqs[item], q0 = cu_q[s], nq = cu_q[s + 1] - q0;
-        const int64_t len = seq_lens[s], ctx = len - nq, rows = nq * hq;
+    for (size_t item = 0; item < items.size(); ++item) {
+        // this item's new tokens [q0, q0 + nq) of sequence s see keys < ctx + their index + 1
+        const int64_t s = items[item].s, q0 = cu_q[s] + items[item].first, nq = items[item].count;
+        const int64_t ctx = seq_lens[s] - (cu_q[s + 1] - cu_q[s]) + items[item].first;
+        const int64_t len = ctx + nq, rows = nq * hq;
         std::vector<float> acc(rows * D, 0.0f), m(rows, -INFINITY), l(rows, 0.0f),
             vbuf(bs * row);
+        // Many rows per KV head (a prompt chunk): the block's keys are also laid out as
+        // kt[kv head][16-key group][pair c][key], so that 16 lanes of vdpbf16ps with q's pair c
+        // broadcast are 16 keys' partial dot products: no reduction per row. Decodes (a few
+        // rows) do not repay the transpose.
+        const int64_t groups = (bs + 15) / 16;
+        const bool transposed = nq * g >= 16;
+        std::vector<uint32_t> kt(transposed ? hkv * groups * (D / 2) * 16 : 0);
         for (int64_t p0 = 0; p0 < len; p0 += bs) {
             const int64_t n = len - p0 < bs ? len - p0 : bs;
             const uint16_t* kb = kc + tables[s * width + p0 / bs] * bs * row;
@@ -234,6 +265,13 @@ static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
             const NextBlock next(kc, vc, p0 + bs < len ? tables[s * width + p0 / bs + 1] : -1,
                                  bs * row, rows);
             for (int64_t i = 0; i < n * row; i += 16) _mm512_storeu_ps(&vbuf[i], widen16(vb + i));
+            if (transposed)
+                for (int64_t h = 0; h < hkv; ++h)
+                    for (int64_t o = 0; o < groups * 16; ++o) {
+                        uint32_t* dst = &kt[(h * groups + o / 16) * (D / 2) * 16 + o % 16];
+                        const uint32_t* src = (const uint32_t*)(kb + o * row + h * D);
+                        for (int64_t c = 0; c < D / 2; ++c) dst[16 * c] = o < n ? src[c] : 0u;
+                    }
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t seen = ctx + r / hq + 1 - p0;
                 const int64_t cnt = seen < n ? seen : n, kvh = (r % hq) / g;
@@ -247,18 +285,34 @@ static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
                 for (int64_t o0 = 0; o0 < cnt; o0 += 16) {    // 16 keys: one online-softmax step
                     const int64_t nk = cnt - o0 < 16 ? cnt - o0 : 16;
                     const __mmask16 valid = (__mmask16)((1u << nk) - 1u);
-                    __m512 dots[16];
-                    for (int64_t j = 0; j < 16; ++j) {
-                        dots[j] = _mm512_setzero_ps();
-                        if (j >= nk) continue;
-                        const uint16_t* kr = kb + (o0 + j) * row + kvh * D;
-                        for (int64_t c = 0; c < D / 32; ++c)
-                            dots[j] = _mm512_dpbf16_ps(dots[j], qv[c],
-                                                       (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+                    __m512 raw = _mm512_setzero_ps();
+                    if (transposed) {
+                        const uint32_t* kg = &kt[(kvh * groups + o0 / 16) * (D / 2) * 16];
+                        const uint32_t* qp = (const uint32_t*)(q + (q0 * hq + r) * D);
+                        __m512 a0 = raw, a1 = raw;       // two chains of dependent adds
+                        for (int64_t c = 0; c < D / 2; c += 2) {
+                            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(kg + 16 * c),
+                                                  (__m512bh)_mm512_set1_epi32((int)qp[c]));
+                            a1 = _mm512_dpbf16_ps(a1,
+                                                  (__m512bh)_mm512_loadu_si512(kg + 16 * c + 16),
+                                                  (__m512bh)_mm512_set1_epi32((int)qp[c + 1]));
+                        }
+                        raw = _mm512_add_ps(a0, a1);
+                    } else {
+                        __m512 dots[16];
+                        for (int64_t j = 0; j < 16; ++j) {
+                            dots[j] = _mm512_setzero_ps();
+                            if (j >= nk) continue;
+                            const uint16_t* kr = kb + (o0 + j) * row + kvh * D;
+                            for (int64_t c = 0; c < D / 32; ++c)
+                                dots[j] = _mm512_dpbf16_ps(
+                                    dots[j], qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+                        }
+                        raw = sum16(dots);
                     }
                     const __m512 sc = _mm512_mask_blend_ps(
                         valid, _mm512_set1_ps(-INFINITY),
-                        _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale)));
+                        _mm512_mul_ps(raw, _mm512_set1_ps(scale)));
                     const float top = _mm512_reduce_max_ps(sc), best = top > m[r] ? top : m[r];
                     const float alpha = exp_neg16(_mm512_set1_ps(m[r] - best))[0];
                     const __m512 w = _mm512_maskz_mov_ps(
@@ -273,7 +327,8 @@ static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
                     for (int64_t o = 0; o < nk; ++o) {
                         const __m512 wo = _mm512_set1_ps(wt[o]);
                         for (int64_t e = 0; e < D / 16; ++e)
-                            a[e] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(vr + o * row + 16 * e), a[e]);
+                            a[e] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(vr + o * row + 16 * e),
+                                                   a[e]);
                     }
                 }
                 for (int64_t e = 0; e < D / 16; ++e) _mm512_storeu_ps(&acc[r * D + 16 * e], a[e]);
@@ -293,11 +348,14 @@ static void attend(const T* q, const T* kc, const T* vc, const int32_t* tables, 
                    const int32_t* seq_lens, const int32_t* cu_q, const int32_t* seqs,
                    int64_t n_seqs, T* out, int64_t hq, int64_t hkv, int64_t dim, int64_t bs,
                    float scale) {
-    const int64_t d = D > 0 ? D : dim, g = hq / hkv, row = hkv * d;         // one cached token: all kv heads
+    const int64_t d = D > 0 ? D : dim, g = hq / hkv, row = hkv * d;   // row: one cached token
+    const std::vector<Item> items = work_items(cu_q, seqs, n_seqs);
     #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = 0; item < n_seqs; ++item) {
-        const int64_t s = seqs[item], q0 = cu_q[s], nq = cu_q[s + 1] - q0;
-        const int64_t len = seq_lens[s], ctx = len - nq, rows = nq * hq;
+    for (size_t item = 0; item < items.size(); ++item) {
+        // this item's new tokens [q0, q0 + nq) of sequence s see keys < ctx + their index + 1
+        const int64_t s = items[item].s, q0 = cu_q[s] + items[item].first, nq = items[item].count;
+        const int64_t ctx = seq_lens[s] - (cu_q[s + 1] - cu_q[s]) + items[item].first;
+        const int64_t len = ctx + nq, rows = nq * hq;
         std::vector<float> qf(rows * d), acc(rows * d, 0.0f), m(rows, -INFINITY),
             l(rows, 0.0f), kbuf(bs * row), vbuf(bs * row), p(bs + 8);
         for (int64_t i = 0; i < rows * d; ++i) qf[i] = widen(q[q0 * hq * d + i]) * scale;

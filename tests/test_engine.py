@@ -324,3 +324,17 @@ def test_throughput_bench_counts_every_requested_token(tmp_path):
     assert set(report["ratios"]) == {"minillm/hf"} and report["dtype"] == "float32"
     assert "minillm/hf" in throughput_table(report)
     assert plot_throughput(report).axes
+
+
+def test_warmup_leaves_the_engine_as_it_was(tiny64):
+    """A warm-up pass (what ``minillm serve`` and the throughput benchmark run first) takes no
+    block, step or request, and greedy outputs afterwards equal those of each prompt alone."""
+    model, tok = tiny64
+    engine = LLMEngine(model, tok, EngineConfig(max_num_batched_tokens=64))
+    assert engine.warmup(num_tokens=1000) > 0          # clipped to max_num_batched_tokens
+    assert engine.num_steps == 0 and not engine.requests and not engine.trace
+    assert_all_free(engine)
+    prompts = prompts_of(LENGTHS[:4])
+    got = run_all(engine, prompts, GREEDY)
+    assert [o.token_ids for o in got] == alone(model, prompts, GREEDY)
+    assert_all_free(engine)

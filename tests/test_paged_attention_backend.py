@@ -10,7 +10,6 @@ import torch
 from minillm.attention import attention_with_lse
 from minillm.attention.paged import (
     QUERY_GROUP,
-    SHORT_QUERY,
     batch_order,
     build_metadata,
     cpu_paged_attention,
@@ -100,14 +99,16 @@ needs_kernel = pytest.mark.skipif(default_paged_backend(torch.device("cpu"), tor
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (8, 8, 32, 4), (8, 1, 16, 7)])
 def test_cpu_paged_attention_matches_dense_masked_attention(hq, hkv, d, block_size, dtype, tol):
-    """The C++ kernel takes the unmasked decodes and verifications (meta.direct), sdpa the
-    tree masks and prompts, in one mixed step; the result is float64 attention's."""
+    """The C++ kernel takes every unmasked sequence (meta.direct: decodes, verifications,
+    prompts, chunks over a prefix), sdpa the tree masks, in one mixed step; the result is
+    float64 attention's."""
     shapes = mixed_shapes(block_size, hq)
     args, ref = make_step(hq, hkv, d, block_size, shapes, seed=block_size, dtype=dtype,
                           direct=True)
     meta = args[-1]
-    short = [s for s in shapes if s[0] > 0 and s[1] <= SHORT_QUERY and not s[2]]
-    assert meta.direct.numel() == len(short) and meta.groups    # the trees go to sdpa
+    unmasked = [s for s in shapes if not s[2]]
+    assert meta.direct.numel() == len(unmasked) and meta.groups  # the trees go to sdpa
+    assert not meta.singles
     out = cpu_paged_attention(*args)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref.double(), rtol=tol, atol=tol)

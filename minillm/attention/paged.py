@@ -18,10 +18,11 @@ the layer's caches and the :class:`PagedMetadata`, and return [N, Hq, D]:
   padded to the group's longest, one masked SDPA call. A sequence with nothing cached runs causal
   SDPA over its own new keys (no gather); a long chunk over a cached prefix gathers its own keys.
   Runs anywhere; the CPU fallback.
-- ``cpu``: the sequences ``sdpa`` would pad into groups, when they bring no tree mask, go to a
-  C++ kernel that reads their blocks in place (``minillm.kernels.cpu_paged_attention``): no
-  gather, no padding, no mask; the rest as ``sdpa``. The CPU default where a C++ compiler
-  built the kernel (float32 and bfloat16 models).
+- ``cpu``: every sequence without a tree mask (decodes, verifications, prompts and chunks) goes
+  to a C++ kernel that reads its blocks in place (``minillm.kernels.cpu_paged_attention``): no
+  gather, no padding, no mask, no GQA copy of K/V; sequences with a tree mask as ``sdpa``. The
+  CPU default where a C++ compiler built the kernel (float32 and bfloat16 models); its speed
+  against these SDPA paths: ``benchmarks/cpu_attention_bench.py``.
 - ``triton``: the paged kernels of chapter 05 read the blocks in place: split-KV decode when every
   sequence has one new token, otherwise one paged prefill kernel over the mixed batch
   (Pensieve-style). Tree masks are not in the kernels: a step with one falls back to ``sdpa``.
@@ -77,7 +78,7 @@ class PagedMetadata:
     sequence). ``groups``: the padded groups (:class:`QueryGroup`); ``singles``: the other
     sequences, attended one by one. ``has_masks``: some sequence brought a tree mask.
     ``direct``: int32 [M], sequences left to a kernel that reads the blocks in place (built
-    with ``direct=True``: the ones a group would hold that bring no mask), else None.
+    with ``direct=True``: every one without a tree mask), else None.
     """
 
     slot_mapping: torch.Tensor
@@ -157,8 +158,9 @@ def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: l
     """Metadata for S sequences from their block tables and token counts (Python lists), in
     the order given (see :func:`batch_order`). ``masks[i]``: bool [q_lens[i], q_lens[i]] or
     None (causal); ``q_per_kv``: query heads per KV head (GQA); ``buffers``: write the tensors
-    into these (:class:`StepBuffers`) instead of fresh ones; ``direct``: list the unmasked
-    short queries in ``meta.direct`` instead of padding them into groups."""
+    into these (:class:`StepBuffers`) instead of fresh ones; ``direct``: list every sequence
+    without a tree mask in ``meta.direct`` (for a kernel that reads the blocks in place)
+    instead of padding it into a group or attending it on its own."""
     masks = list(masks) if masks is not None else [None] * len(q_lens)
     for i, (m, n) in enumerate(zip(masks, q_lens)):
         if m is not None and tuple(m.shape) != (n, n):
@@ -187,11 +189,11 @@ def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: l
     pending: list[int] = []
     direct_seqs: list[int] = []
     for i, (c, n, m) in enumerate(zip(ctx_lens, q_lens, masks)):
-        if not grouped(c, n, m is not None):
-            meta.singles.append(i)
-            continue
         if direct and m is None:
             direct_seqs.append(i)
+            continue
+        if not grouped(c, n, m is not None):
+            meta.singles.append(i)
             continue
         if pending and (pending[-1] != i - 1 or len(pending) == QUERY_GROUP):
             meta.groups.append(_group(pending, meta, block_tables, masks, q_per_kv, device))

@@ -90,9 +90,9 @@ def loaded_engine(model, tok, work: Workload, **options) -> LLMEngine:
     return engine
 
 
-def run_minillm(model, tok, work: Workload, **options) -> dict:
-    """Serve the workload with the engine; returns latency and KV statistics."""
-    engine = loaded_engine(model, tok, work, **options)
+def run_minillm(engine: LLMEngine) -> dict:
+    """Serve the engine's requests (:func:`loaded_engine`) to the end; returns latency and KV
+    statistics."""
     outs = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.finished]
@@ -221,8 +221,11 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
     say(f"{num_requests} requests, {sum(map(len, work.prompts))} prompt tokens, "
         f"{work.output_tokens} output tokens; {dtype_name(dt)} on {dev}, {threads} threads")
     stats: dict = {}
+    engine = loaded_engine(model, tok, work, **engine_options)
+    engine.warmup()          # untimed, like the peers' start-up (vLLM's LLM() warms up too)
     results = [timed_run("minillm", dtype_name(dt), "continuous batching, paged KV", work, dev,
-                     lambda: stats.update(run_minillm(model, tok, work, **engine_options)))]
+                     lambda: stats.update(run_minillm(engine)))]
+    del engine
     say(f"minillm: {results[-1]} {stats}")
     step_profile = profile_minillm(model, tok, work, profile_steps, **engine_options) \
         if profile_steps else None

@@ -189,6 +189,13 @@ class LLMEngine:
         if speculator is not None:
             self.use_speculator(speculator)
 
+    def warmup(self, num_tokens: int = 256) -> float:
+        """One throwaway forward pass before serving (see :meth:`ModelRunner.warmup`); returns
+        its seconds. Touches no request, block or statistic."""
+        cfg = self.config
+        return self.runner.warmup(min(num_tokens, cfg.max_num_batched_tokens,
+                                      self.model.cfg.max_seq_len))
+
     def use_speculator(self, speculator: Speculator) -> None:
         """Speculate from now on (before any request is added)."""
         config = self.config

@@ -68,6 +68,19 @@ class ModelRunner:
         self.layerwise_loads = False        # stored KV loads overlap the forward (chapter 08)
         self.load_timing = LoadTiming()
 
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int) -> float:
+        """Run the model once over ``num_tokens`` dummy tokens and once over a batch of eight
+        single tokens, without the KV cache; returns the seconds taken. The packed linears
+        build their oneDNN weights and oneDNN generates its kernels now instead of in the
+        first request's step (about a second on 2 cores), as vLLM's workers do with their
+        dummy runs at start."""
+        start = time.perf_counter()
+        dev = self.model.device
+        self.model(torch.zeros(1, num_tokens, dtype=torch.long, device=dev))
+        self.model(torch.zeros(8, 1, dtype=torch.long, device=dev))
+        return time.perf_counter() - start
+
     def start_loads(self, plan: SchedulerOutput, tables: Mapping[int, list[int]]
                     ) -> LayerwiseLoad | None:
         """Copy the plan's stored KV into its blocks: now, or (``layerwise_loads``) layer by

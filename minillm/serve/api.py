@@ -304,9 +304,10 @@ def serve(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000
     from ..engine.llm import LLM
 
     llm = LLM(model, device=device, dtype=dtype, **engine_options)
+    warm = llm.engine.warmup()              # the first request would pay for it otherwise
     app = create_app(llm.engine, served_model_name or model, api_key=api_key,
                      max_queue=max_queue)
-    print(f"minillm serve: {model} ({llm.dtype}, {llm.engine.blocks.num_blocks} KV blocks) on "
-          f"http://{host}:{port}/v1", flush=True)
+    print(f"minillm serve: {model} ({llm.dtype}, {llm.engine.blocks.num_blocks} KV blocks, "
+          f"warmed up in {warm:.1f} s) on http://{host}:{port}/v1", flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level,
                 timeout_graceful_shutdown=shutdown_timeout)
