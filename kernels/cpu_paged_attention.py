@@ -13,7 +13,7 @@ Work item: one sequence, whose new tokens times its ``Hq`` query heads are its q
 they are PyTorch's own OpenMP threads (this library links the same ``libgomp`` that torch has
 loaded), so there is no second pool fighting torch's for the cores. While a block is worked on,
 the next one is prefetched a slice of cache lines per query row: issued as one burst, the 192
-prefetches of a bfloat16 block stalled the loads behind them and the kernel ran at half speed.
+prefetches of a bfloat16 block stalled the loads behind them (the A/B is in the git log).
 The arithmetic is fp32 with an exp of its own (error ~1e-7 relative, float32's rounding). On
 CPUs with AVX512-BF16 the bfloat16 kernel takes q . k from the cached bf16 values with
 ``vdpbf16ps`` (bf16 products are exact in fp32, the sums fp32) and sums 16 keys' partial dot
