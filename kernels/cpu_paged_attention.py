@@ -153,17 +153,19 @@ static inline void accumulate(float* __restrict acc, float alpha, const float* _
         for (int64_t e = 0; e < d; ++e) acc[e] += w[o] * v[o * stride + e];
 }
 
-// A work item: ``count`` new tokens of sequence ``s`` from its ``first``. A sequence's new tokens
-// are cut into items of at most CHUNK, so that one long prompt still keeps every thread busy
-// (each item walks the blocks its last token sees; they are in L2 by then).
+// A work item: ``count`` new tokens of sequence ``s``, flat rows [q0, q0 + count) of q, whose
+// first sees the ``ctx`` keys before it (and each later one a key more). A sequence's new
+// tokens are cut into items of at most CHUNK, so that one long prompt still keeps every thread
+// busy (each item walks the blocks its last token sees; they are in L2 by then).
 constexpr int64_t CHUNK = 32;
-struct Item { int64_t s, first, count; };
-static std::vector<Item> work_items(const int32_t* cu_q, const int32_t* seqs, int64_t n_seqs) {
+struct Item { int64_t s, q0, count, ctx; };
+static std::vector<Item> work_items(const int32_t* cu_q, const int32_t* seq_lens,
+                                    const int32_t* seqs, int64_t n_seqs) {
     std::vector<Item> items;
     for (int64_t i = 0; i < n_seqs; ++i) {
-        const int64_t s = seqs[i], nq = cu_q[s + 1] - cu_q[s];
+        const int64_t s = seqs[i], nq = cu_q[s + 1] - cu_q[s], cached = seq_lens[s] - nq;
         for (int64_t t = 0; t < nq; t += CHUNK)
-            items.push_back({s, t, nq - t < CHUNK ? nq - t : CHUNK});
+            items.push_back({s, cu_q[s] + t, nq - t < CHUNK ? nq - t : CHUNK, cached + t});
     }
     return items;
 }
@@ -242,12 +244,10 @@ static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
                         int64_t hq, int64_t hkv, int64_t bs, float scale) {
     static_assert(D % 32 == 0, "a head is whole 32-lane bfloat16 registers");
     const int64_t g = hq / hkv, row = hkv * D;
-    const std::vector<Item> items = work_items(cu_q, seqs, n_seqs);
+    const std::vector<Item> items = work_items(cu_q, seq_lens, seqs, n_seqs);
     #pragma omp parallel for schedule(dynamic, 1)
     for (size_t item = 0; item < items.size(); ++item) {
-        // this item's new tokens [q0, q0 + nq) of sequence s see keys < ctx + their index + 1
-        const int64_t s = items[item].s, q0 = cu_q[s] + items[item].first, nq = items[item].count;
-        const int64_t ctx = seq_lens[s] - (cu_q[s + 1] - cu_q[s]) + items[item].first;
+        const auto [s, q0, nq, ctx] = items[item];
         const int64_t len = ctx + nq, rows = nq * hq;
         std::vector<float> acc(rows * D, 0.0f), m(rows, -INFINITY), l(rows, 0.0f),
             vbuf(bs * row);
@@ -349,12 +349,10 @@ static void attend(const T* q, const T* kc, const T* vc, const int32_t* tables, 
                    int64_t n_seqs, T* out, int64_t hq, int64_t hkv, int64_t dim, int64_t bs,
                    float scale) {
     const int64_t d = D > 0 ? D : dim, g = hq / hkv, row = hkv * d;   // row: one cached token
-    const std::vector<Item> items = work_items(cu_q, seqs, n_seqs);
+    const std::vector<Item> items = work_items(cu_q, seq_lens, seqs, n_seqs);
     #pragma omp parallel for schedule(dynamic, 1)
     for (size_t item = 0; item < items.size(); ++item) {
-        // this item's new tokens [q0, q0 + nq) of sequence s see keys < ctx + their index + 1
-        const int64_t s = items[item].s, q0 = cu_q[s] + items[item].first, nq = items[item].count;
-        const int64_t ctx = seq_lens[s] - (cu_q[s + 1] - cu_q[s]) + items[item].first;
+        const auto [s, q0, nq, ctx] = items[item];
         const int64_t len = ctx + nq, rows = nq * hq;
         std::vector<float> qf(rows * d), acc(rows * d, 0.0f), m(rows, -INFINITY),
             l(rows, 0.0f), kbuf(bs * row), vbuf(bs * row), p(bs + 8);
