@@ -21,7 +21,7 @@ products with one transposing reduction; elsewhere bf16 is widened on load. Sema
 of ``paged_prefill_attention``: sequence i's new query r, with L = seq_lens[i] cached tokens of
 which n are new, sees keys j <= L - n + r.
 
-The C++ is compiled on first use with the machine's compiler (``-O3 -march=native``, about a
+The C++ is compiled on first use by :mod:`.cpu_build` (``-O3 -march=native``, about a
 second) into a cache folder keyed by the source, the flags and the CPU, and loaded with
 ctypes (a direct call: a ``torch.library`` custom op would add about 0.3 ms of dispatch per
 layer, 5% of a batch-64 step; the engine's step runs eagerly, so nothing needs to trace it).
@@ -31,60 +31,20 @@ when it did, else the SDPA path.
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 from torch.profiler import record_function
 
+from .cpu_build import SCALARS, Library
+
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM = 256
 
-SOURCE = r"""
-#include <cmath>
-#include <cstdint>
-#include <cstring>
+SOURCE = SCALARS + r"""
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
-
-static inline float widen(float x) { return x; }
-static inline float widen(uint16_t x) {            // bfloat16 -> float32: the high half
-    uint32_t u = (uint32_t)x << 16; float f; std::memcpy(&f, &u, 4); return f;
-}
-static inline void narrow(float x, float* y) { *y = x; }
-static inline void narrow(float x, uint16_t* y) {  // float32 -> bfloat16, round to nearest even
-    uint32_t u; std::memcpy(&u, &x, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { *y = 0x7fc0; return; }   // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u); *y = (uint16_t)(u >> 16);
-}
-
-// exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7
-// (error below 2e-8), 2^n put into the exponent bits. n is rounded by adding 1.5 * 2^23 (whose
-// low mantissa bits then hold it), so the function is plain arithmetic and loops vectorise.
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float magic = 12582912.0f;
-    const float t = x * 1.44269504088896341f + magic, n = t - magic;
-    int32_t bits;
-    std::memcpy(&bits, &t, 4);
-    const int32_t ni = bits - 0x4B400000;
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f; p = p * r + 1.0f / 120.0f; p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f; p = p * r + 0.5f; p = p * r + 1.0f; p = p * r + 1.0f;
-    std::memcpy(&bits, &p, 4);
-    bits += ni * (1 << 23);
-    std::memcpy(&p, &bits, 4);
-    return p;
-}
 
 // 8 floats as one value: AVX2 / AVX-512 registers (two SSE ones on older CPUs)
 typedef float f8 __attribute__((vector_size(32)));
@@ -423,68 +383,20 @@ ENTRY(paged_attention_bf16, uint16_t)
 #endif
 """
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("MINILLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minillm")
-    return Path(root) / "cpu_kernels"
-
-
-def _cpu_signature() -> str:
-    """What -march=native compiles for: the CPU model and flags (Linux), else the platform."""
-    try:
-        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-        return "\n".join(ln for ln in info.splitlines() if ln.startswith(("model name", "flags")))
-    except OSError:
-        return platform.processor() + platform.machine()
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """Compile (once per source, flags and CPU) and load the kernels; None if there is no C++
-    compiler or it fails (the reason is kept in :func:`unavailable_reason`)."""
-    global _REASON
-    _REASON = ""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None or shutil.which(compiler) is None:
-        _REASON = f"no C++ compiler: {compiler or 'g++ or $CXX'} not found"
-        return None
-    key = hashlib.sha256("\0".join([SOURCE, compiler, *FLAGS, _cpu_signature()]).encode())
-    path = _cache_dir() / f"paged_attention_{key.hexdigest()[:16]}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            src, lib = Path(tmp) / "paged_attention.cpp", Path(tmp) / "lib.so"
-            src.write_text(SOURCE)
-            done = subprocess.run([compiler, *FLAGS, str(src), "-o", str(lib)],
-                                  capture_output=True, text=True)
-            if done.returncode != 0:
-                _REASON = f"{compiler} failed: {done.stderr.strip()[-500:]}"
-                return None
-            os.replace(lib, path)             # atomic: concurrent builders agree
-    lib = ctypes.CDLL(str(path))
-    for name in ("paged_attention_f32", "paged_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + \
-            [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float]
-    return lib
-
-
-_REASON = ""
+_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + \
+    [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float]
+LIBRARY = Library("paged_attention", SOURCE,
+                  {f"paged_attention_{dt}": _ARGS for dt in DTYPES.values()})
 
 
 def available() -> bool:
     """Can the kernel run here (a C++ compiler built it)?"""
-    return _library() is not None
+    return LIBRARY.get() is not None
 
 
 def unavailable_reason() -> str:
     """Why :func:`available` is False ('' when it is True)."""
-    _library()
-    return _REASON
+    return LIBRARY.reason()
 
 
 def attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -494,7 +406,7 @@ def attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """The C++ call itself, unchecked (for the engine, which built every index it passes; use
     :func:`cpu_paged_attention` otherwise): writes sequences ``seqs``' rows of ``out``."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    fn = getattr(_library(), f"paged_attention_{DTYPES[q.dtype]}")
+    fn = getattr(LIBRARY.get(), f"paged_attention_{DTYPES[q.dtype]}")
     hq, d = q.shape[1:]
     args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),

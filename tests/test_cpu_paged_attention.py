@@ -103,7 +103,7 @@ def test_without_a_compiler_the_engine_falls_back_to_sdpa(monkeypatch, tmp_path)
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
-    kernel._library.cache_clear()
+    kernel.LIBRARY.clear()
     try:
         assert not kernel.available()
         assert "no-such-compiler" in kernel.unavailable_reason()
@@ -112,6 +112,6 @@ def test_without_a_compiler_the_engine_falls_back_to_sdpa(monkeypatch, tmp_path)
             kernel.cpu_paged_attention(*make_case())
     finally:
         monkeypatch.undo()
-        kernel._library.cache_clear()
+        kernel.LIBRARY.clear()
     assert default_paged_backend(torch.device("cpu"), torch.float16) == "sdpa"
     assert default_paged_backend(torch.device("cpu"), torch.float32) == "cpu"

@@ -14,12 +14,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention.paged import (DIRECT_BACKENDS, StepBuffers, batch_order, build_metadata,
-                               get_paged_backend)
+from ..attention.paged import (
+    DIRECT_BACKENDS,
+    StepBuffers,
+    batch_order,
+    build_metadata,
+    get_paged_backend,
+)
 from ..cache.offload import LayerwiseLoad, LoadTiming
 from ..cache.pool import PagedBatch, PagedKVPool
 from ..model.packed import can_pack_linears, pack_linears
 from ..model.transformer import Transformer
+from .cpu_forward import CpuForward
 from .scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -66,7 +72,18 @@ class ModelRunner:
         self.buffers = StepBuffers(max_rows, max_seqs, blocks_per_seq, model.device) \
             if static_buffers else None
         self.layerwise_loads = False        # stored KV loads overlap the forward (chapter 08)
+        self.fuse_ops = True                # the CPU fast path where it applies (fused_path)
+        self.cpu_forward = CpuForward(model)
         self.load_timing = LoadTiming()
+
+    def fused_path(self, meta, layers: Collection[int]) -> bool:
+        """Whether this step runs :class:`~.cpu_forward.CpuForward` (the C++ small ops): when
+        ``fuse_ops`` allows, it supports the model (:func:`~.cpu_forward.supports`), and
+        every sequence goes to the paged kernel (no tree masks)."""
+        return self.fuse_ops and meta.direct is not None \
+            and meta.direct.numel() == len(meta.q_lens) \
+            and all(0 <= i < self.model.cfg.n_layers for i in layers) \
+            and self.cpu_forward.applies(self.attention_backend)
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int) -> float:
@@ -79,6 +96,7 @@ class ModelRunner:
         dev = self.model.device
         self.model(torch.zeros(1, num_tokens, dtype=torch.long, device=dev))
         self.model(torch.zeros(8, 1, dtype=torch.long, device=dev))
+        self.cpu_forward.applies(self.attention_backend)    # its checks and weight lookup
         return time.perf_counter() - start
 
     def start_loads(self, plan: SchedulerOutput, tables: Mapping[int, list[int]]
@@ -144,10 +162,15 @@ class ModelRunner:
                       "positions": torch.tensor(pos, device=dev)}
         layers = sorted(set(hidden_layers) - {-1})
         loading = self.start_loads(plan, tables)
+        batch = PagedBatch(self.pool, meta, self.attn)
         try:
-            h, hidden = self.model.forward_layers(inputs["input_ids"][None],
-                                                  PagedBatch(self.pool, meta, self.attn),
-                                                  inputs["positions"], layers)
+            if loading is None and self.fused_path(meta, layers):
+                h, hidden = self.cpu_forward(inputs["input_ids"], inputs["positions"], batch,
+                                             layers)
+                h, hidden = h[None], {i: x[None] for i, x in hidden.items()}
+            else:
+                h, hidden = self.model.forward_layers(inputs["input_ids"][None], batch,
+                                                      inputs["positions"], layers)
         finally:
             if loading is not None:
                 loading.finish()

@@ -1,0 +1,125 @@
+"""Compile a C++ source with the machine's compiler and load it with ctypes (the CPU kernels).
+
+The library is built on first use (``-O3 -march=native -fopenmp``, about a second) into a cache
+folder (``$MINILLM_CACHE`` or ``~/.cache/minillm``) under a name keyed by the source, the
+compiler, the flags and the CPU, so a changed source, compiler or machine builds afresh and a
+second process loads the first one's file. OpenMP is the ``libgomp`` torch has loaded, so the
+kernels' threads are PyTorch's own. ``SCALARS`` is the C++ the kernels share: bfloat16 <-> float32
+and an exp of their own that vectorises.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SCALARS = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+static inline float widen(float x) { return x; }
+static inline float widen(uint16_t x) {            // bfloat16 -> float32: the high half
+    uint32_t u = (uint32_t)x << 16; float f; std::memcpy(&f, &u, 4); return f;
+}
+static inline void narrow(float x, float* y) { *y = x; }
+static inline void narrow(float x, uint16_t* y) {  // float32 -> bfloat16, round to nearest even
+    uint32_t u; std::memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { *y = 0x7fc0; return; }   // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u); *y = (uint16_t)(u >> 16);
+}
+
+// exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7
+// (error below 2e-8), 2^n put into the exponent bits. n is rounded by adding 1.5 * 2^23 (whose
+// low mantissa bits then hold it), so the function is plain arithmetic and loops vectorise.
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float magic = 12582912.0f;
+    const float t = x * 1.44269504088896341f + magic, n = t - magic;
+    int32_t bits;
+    std::memcpy(&bits, &t, 4);
+    const int32_t ni = bits - 0x4B400000;
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f; p = p * r + 1.0f / 120.0f; p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f; p = p * r + 0.5f; p = p * r + 1.0f; p = p * r + 1.0f;
+    std::memcpy(&bits, &p, 4);
+    bits += ni * (1 << 23);
+    std::memcpy(&p, &bits, 4);
+    return p;
+}
+"""
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MINILLM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minillm")
+    return Path(root) / "cpu_kernels"
+
+
+def cpu_signature() -> str:
+    """What -march=native compiles for: the CPU model and flags (Linux), else the platform."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+        return "\n".join(ln for ln in info.splitlines() if ln.startswith(("model name", "flags")))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def build(name: str, source: str, extra_flags: tuple[str, ...] = ()
+          ) -> tuple[ctypes.CDLL | None, str]:
+    """Compile ``source`` (once per source, compiler, flags and CPU) and load it: (library, '')
+    or (None, why not: no compiler, or its error message)."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None or shutil.which(compiler) is None:
+        return None, f"no C++ compiler: {compiler or 'g++ or $CXX'} not found"
+    flags = [*FLAGS, *extra_flags]
+    key = hashlib.sha256("\0".join([source, compiler, *flags, cpu_signature()]).encode())
+    path = cache_dir() / f"{name}_{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            src, lib = Path(tmp) / f"{name}.cpp", Path(tmp) / "lib.so"
+            src.write_text(source)
+            done = subprocess.run([compiler, *flags, str(src), "-o", str(lib)],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                return None, f"{compiler} failed: {done.stderr.strip()[-500:]}"
+            os.replace(lib, path)             # atomic: concurrent builders agree
+    return ctypes.CDLL(str(path)), ""
+
+
+class Library:
+    """A C++ source built and loaded on first use. ``signatures``: exported function ->
+    ctypes argument types (each returns void). :meth:`get` gives the library or None;
+    :meth:`reason` says why it is None ('' when it is not)."""
+
+    def __init__(self, name: str, source: str, signatures: dict[str, list],
+                 extra_flags: tuple[str, ...] = ()) -> None:
+        self.name, self.source, self.signatures = name, source, signatures
+        self.extra_flags = extra_flags
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the loaded library (a test that changes the compiler rebuilds it)."""
+        self._loaded: tuple[ctypes.CDLL | None, str] | None = None
+
+    def get(self) -> ctypes.CDLL | None:
+        if self._loaded is None:
+            lib, why = build(self.name, self.source, self.extra_flags)
+            for fn_name, argtypes in self.signatures.items() if lib is not None else ():
+                fn = getattr(lib, fn_name)
+                fn.restype, fn.argtypes = None, argtypes
+            self._loaded = lib, why
+        return self._loaded[0]
+
+    def reason(self) -> str:
+        self.get()
+        return self._loaded[1]

@@ -1,0 +1,240 @@
+"""The small operations of a decoder layer, each fused into one C++ pass (CPU, float32/bfloat16).
+
+Between its four matmuls and its attention, an eager Llama layer runs some thirty small PyTorch
+operations: RMSNorm is eight (cast, square, mean, add, rsqrt, multiply, cast, scale), RoPE five
+per tensor, the residual adds, the cache write, SiLU and the gate product. At a decode step's
+few rows each costs its dispatch (a few microseconds) more than its arithmetic, so at batch 1
+they add up to a fifth of the step. Here each group is one call, as vLLM's CPU backend and
+llama.cpp fuse them:
+
+- :func:`add_rms_norm`: ``x += residual`` (optional), then ``RMSNorm(x) * weight``;
+- :func:`rope_store`: rotate q into a new tensor and k into the paged KV cache, copy v there;
+- :func:`silu_mul`: ``silu(gate) * up``.
+
+Each rounds where the eager code does (every bfloat16 result of an eager op is rounded to
+bfloat16 here too; float32 products are not contracted into FMAs), so the results equal the
+eager ones up to the order of a sum or the last bits of an exp: a few ulps at most
+(``tests/test_cpu_fused_ops.py`` compares them with the eager code and float64). Rows are shared
+by OpenMP threads once there are enough of them. Compiled by :mod:`.cpu_build`, called through
+ctypes without checks by the engine (:mod:`minillm.engine.cpu_forward`); the public functions
+check their arguments.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .cpu_build import SCALARS, Library
+
+DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+SOURCE = SCALARS + r"""
+template <typename T> static inline T round_to(float x) { T y; narrow(x, &y); return y; }
+// a float32 result rounded as a T tensor would hold it (bfloat16: to 8 bits of mantissa)
+template <typename T> static inline float as(float x) { return widen(round_to<T>(x)); }
+
+static const int64_t PARALLEL_ELEMENTS = 1 << 15;    // below this one thread is faster
+
+// x [n, d] (row stride ldx); residual [n, d] (row stride ldr) or null: x += residual (rounded
+// to T), then out [n, d] = weight * T(x * rsqrt(mean(x^2) + eps)), as minillm's RMSNorm.
+template <typename T>
+static void add_rms_norm(T* x, int64_t ldx, const T* residual, int64_t ldr, const T* weight,
+                         T* out, int64_t n, int64_t d, float eps) {
+    #pragma omp parallel for if (n * d >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < n; ++r) {
+        T* xr = x + r * ldx;
+        if (residual) {
+            const T* rr = residual + r * ldr;
+            for (int64_t i = 0; i < d; ++i) xr[i] = round_to<T>(widen(xr[i]) + widen(rr[i]));
+        }
+        float part[16] = {0};
+        int64_t i = 0;
+        for (; i + 16 <= d; i += 16)
+            for (int j = 0; j < 16; ++j) { const float v = widen(xr[i + j]); part[j] += v * v; }
+        for (; i < d; ++i) { const float v = widen(xr[i]); part[0] += v * v; }
+        float ss = 0.0f;
+        for (int j = 0; j < 16; ++j) ss += part[j];
+        const float inv = 1.0f / std::sqrt(ss / (float)d + eps);
+        T* o = out + r * d;
+        for (int64_t i = 0; i < d; ++i)
+            o[i] = round_to<T>(widen(weight[i]) * as<T>(widen(xr[i]) * inv));
+    }
+}
+
+// one head's d values at x rotated by RoPE into y: y = x cos + rotate_half(x) sin, each
+// product and the sum rounded to T (cos, sin: the position's d values, already T)
+template <typename T>
+static inline void rotate(const T* x, const T* cos, const T* sin, T* y, int64_t d) {
+    const int64_t h = d / 2;
+    for (int64_t i = 0; i < d; ++i) {
+        const float rot = i < h ? -widen(x[i + h]) : widen(x[i - h]);
+        y[i] = round_to<T>(as<T>(widen(x[i]) * widen(cos[i])) + as<T>(rot * widen(sin[i])));
+    }
+}
+
+// q [n, hq * d], k, v [n, hkv * d] (row stride ld, e.g. views of one qkv matmul output);
+// cos, sin [n, d]. q_out [n, hq, d] = rope(q); k_cache, v_cache [slots, hkv, d] at
+// slots[r]: rope(k), v.
+template <typename T>
+static void rope_store(const T* q, const T* k, const T* v, int64_t ld, const T* cos,
+                       const T* sin, T* q_out, T* k_cache, T* v_cache, const int64_t* slots,
+                       int64_t n, int64_t hq, int64_t hkv, int64_t d) {
+    #pragma omp parallel for if (n * (hq + 2 * hkv) * d >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < n; ++r) {
+        const T *c = cos + r * d, *s = sin + r * d;
+        for (int64_t h = 0; h < hq; ++h)
+            rotate(q + r * ld + h * d, c, s, q_out + (r * hq + h) * d, d);
+        const int64_t slot = slots[r] * hkv * d;
+        for (int64_t h = 0; h < hkv; ++h)
+            rotate(k + r * ld + h * d, c, s, k_cache + slot + h * d, d);
+        std::memcpy(v_cache + slot, v + r * ld, hkv * d * sizeof(T));
+    }
+}
+
+// out [n, f] = T(silu(gate)) * up, gate and up [n, f] with row stride ld
+template <typename T>
+static void silu_mul(const T* gate, const T* up, int64_t ld, T* out, int64_t n, int64_t f) {
+    #pragma omp parallel for if (n * f >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < n; ++r) {
+        const T *g = gate + r * ld, *u = up + r * ld;
+        T* o = out + r * f;
+        for (int64_t i = 0; i < f; ++i) {
+            const float x = widen(g[i]);
+            const float e = exp_neg(x < 0.0f ? x : -x);          // exp(-|x|)
+            const float sig = x < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+            o[i] = round_to<T>(as<T>(x * sig) * widen(u[i]));
+        }
+    }
+}
+
+#define ENTRIES(NAME, T)                                                                      \
+extern "C" void add_rms_norm_##NAME(void* x, int64_t ldx, const void* res, int64_t ldr,      \
+                                    const void* w, void* out, int64_t n, int64_t d,          \
+                                    float eps) {                                             \
+    add_rms_norm<T>((T*)x, ldx, (const T*)res, ldr, (const T*)w, (T*)out, n, d, eps);        \
+}                                                                                             \
+extern "C" void rope_store_##NAME(const void* q, const void* k, const void* v, int64_t ld,  \
+                                  const void* cos, const void* sin, void* q_out,            \
+                                  void* k_cache, void* v_cache, const int64_t* slots,       \
+                                  int64_t n, int64_t hq, int64_t hkv, int64_t d) {          \
+    rope_store<T>((const T*)q, (const T*)k, (const T*)v, ld, (const T*)cos, (const T*)sin,  \
+                  (T*)q_out, (T*)k_cache, (T*)v_cache, slots, n, hq, hkv, d);               \
+}                                                                                             \
+extern "C" void silu_mul_##NAME(const void* g, const void* u, int64_t ld, void* out,        \
+                                int64_t n, int64_t f) {                                      \
+    silu_mul<T>((const T*)g, (const T*)u, ld, (T*)out, n, f);                                \
+}
+ENTRIES(f32, float)
+ENTRIES(bf16, uint16_t)
+"""
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {"add_rms_norm": [_P, _I, _P, _I, _P, _P, _I, _I, _F],
+              "rope_store": [_P] * 3 + [_I] + [_P] * 6 + [_I] * 4,
+              "silu_mul": [_P, _P, _I, _P, _I, _I]}
+# float32 products kept apart from the sums (no FMA contraction), as eager PyTorch computes them
+LIBRARY = Library("fused_ops", SOURCE, {f"{op}_{dt}": args for op, args in SIGNATURES.items()
+                                        for dt in DTYPES.values()}, ("-ffp-contract=off",))
+
+
+def available() -> bool:
+    """Can the ops run here (a C++ compiler built them)?"""
+    return LIBRARY.get() is not None
+
+
+def unavailable_reason() -> str:
+    """Why :func:`available` is False ('' when it is True)."""
+    return LIBRARY.reason()
+
+
+def op(name: str, dtype: torch.dtype):
+    """The C++ function ``name`` for ``dtype``, for callers that pass checked pointers."""
+    return getattr(LIBRARY.get(), f"{name}_{DTYPES[dtype]}")
+
+
+def _rows(name: str, t: torch.Tensor, width: int, dtype: torch.dtype) -> int:
+    """Check that ``t`` is a CPU [rows, width] matrix of ``dtype`` whose rows are contiguous;
+    return its row stride."""
+    if t.device.type != "cpu" or t.dtype != dtype or t.dim() != 2 or t.shape[1] != width \
+            or (t.shape[0] > 0 and width > 1 and t.stride(1) != 1):
+        raise ValueError(f"{name} must be a CPU [rows, {width}] tensor of dtype {dtype} with "
+                         f"contiguous rows, got {tuple(t.shape)} {t.dtype} on {t.device}")
+    return t.stride(0)
+
+
+def _ready(dtype: torch.dtype) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+    if not available():
+        raise RuntimeError(f"the CPU fused ops are unavailable: {unavailable_reason()}")
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, d] (rows contiguous): with ``residual`` [n, d], first ``x += residual`` in place;
+    returns weight [d] * RMSNorm(x) as a new [n, d] tensor (minillm's RMSNorm rounding)."""
+    _ready(x.dtype)
+    n, d = x.shape if x.dim() == 2 else (-1, -1)
+    ldx = _rows("x", x, d, x.dtype)
+    _rows("weight", weight[None], d, x.dtype)
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous")
+    ldr = _rows("residual", residual, d, x.dtype) if residual is not None else 0
+    if residual is not None and residual.shape[0] != n:
+        raise ValueError(f"residual must have x's {n} rows, got {residual.shape[0]}")
+    out = torch.empty(n, d, dtype=x.dtype)
+    op("add_rms_norm", x.dtype)(x.data_ptr(), ldx, residual.data_ptr() if residual is not None
+                                else None, ldr, weight.data_ptr(), out.data_ptr(), n, d, eps)
+    return out
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slot_mapping: torch.Tensor) -> torch.Tensor:
+    """q [n, Hq * D], k, v [n, Hkv * D] sharing one row stride (views of a fused qkv output or
+    contiguous); cos, sin [n, D] (:func:`minillm.model.layers.rope_cos_sin` in q's dtype).
+    Writes rope(k) and v at ``slot_mapping`` (int64 [n]) of k_cache, v_cache
+    [blocks, block_size, Hkv, D]; returns rope(q) [n, Hq, D]."""
+    _ready(q.dtype)
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or not k_cache.is_contiguous() \
+            or not v_cache.is_contiguous() or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache, v_cache must be contiguous [blocks, block_size, Hkv, D] of "
+                         f"dtype {q.dtype}, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    hkv, d = k_cache.shape[2:]
+    n = q.shape[0] if q.dim() == 2 else -1
+    hq = q.shape[1] // d if q.dim() == 2 else 0
+    if d % 2 or hq * d != (q.shape[1] if q.dim() == 2 else -1):
+        raise ValueError(f"q must be [n, Hq * {d}] for an even head_dim, got {tuple(q.shape)}")
+    ld = _rows("q", q, hq * d, q.dtype)
+    for name, t in (("k", k), ("v", v)):
+        if _rows(name, t, hkv * d, q.dtype) != ld or t.shape[0] != n:
+            raise ValueError(f"{name} must have q's rows and row stride, got {tuple(t.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not t.is_contiguous() or _rows(name, t, d, q.dtype) != d or t.shape[0] != n:
+            raise ValueError(f"{name} must be contiguous [{n}, {d}], got {tuple(t.shape)}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (n,) \
+            or not slot_mapping.is_contiguous():
+        raise ValueError(f"slot_mapping must be a contiguous int64 [{n}] tensor")
+    slots = k_cache.shape[0] * k_cache.shape[1]
+    if n and not 0 <= int(slot_mapping.min()) <= int(slot_mapping.max()) < slots:
+        raise ValueError(f"slot_mapping must index the cache's {slots} slots")
+    q_out = torch.empty(n, hq, d, dtype=q.dtype)
+    op("rope_store", q.dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), ld, cos.data_ptr(),
+                              sin.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(),
+                              v_cache.data_ptr(), slot_mapping.data_ptr(), n, hq, hkv, d)
+    return q_out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [n, F] sharing one row stride (views of a fused gate/up output, or contiguous)
+    -> silu(gate) * up [n, F], a new tensor."""
+    _ready(gate.dtype)
+    f = gate.shape[-1]
+    ld = _rows("gate", gate, f, gate.dtype)
+    if _rows("up", up, f, gate.dtype) != ld or up.shape[0] != gate.shape[0]:
+        raise ValueError(f"up must have gate's shape and row stride, got {tuple(up.shape)}")
+    out = torch.empty(gate.shape[0], f, dtype=gate.dtype)
+    op("silu_mul", gate.dtype)(gate.data_ptr(), up.data_ptr(), ld, out.data_ptr(),
+                               gate.shape[0], f)
+    return out

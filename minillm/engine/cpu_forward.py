@@ -1,0 +1,187 @@
+"""The runner's CPU fast path: one engine step's forward pass with the small ops fused.
+
+:meth:`Transformer.forward_layers` is the model as the course writes it: modules calling some
+forty PyTorch operations a layer. On the CPU, at a decode step's few rows, the dispatch of the
+small ones (norms, RoPE, residual adds, the cache write, SiLU) and the Python around each call
+cost more than their arithmetic. :class:`CpuForward` computes the same layers over the same
+weights with each group of small ops one C++ call (:mod:`minillm.kernels.cpu_fused_ops`),
+attention the paged kernel (:mod:`minillm.kernels.cpu_paged_attention`) and the matmuls
+oneDNN's on the weights already packed, per layer:
+
+    h = RMSNorm(x += delta)                  add_rms_norm (delta: the previous sublayer's output)
+    q, k, v = h @ [Wq Wk Wv]                 one packed matmul
+    q = rope(q); cache <- rope(k), v         rope_store
+    delta = attention(q, cache) @ Wo         the paged kernel, a packed matmul
+    h = RMSNorm(x += delta)                  add_rms_norm
+    delta = (silu(h Wg) * (h Wu)) @ Wd       a packed matmul, silu_mul, a packed matmul
+
+Each op rounds where the eager code rounds, but a sum may run in another order, so a last bit
+here and there differs and, over 30 layers, bfloat16 greedy text can part from the eager path's
+after some tokens, as it does between batch sizes (``tests/test_cpu_forward.py``: as close to a
+float64 forward as the eager path, float32 within 1e-5 of it, the same greedy float32 text).
+:func:`supports` says when it applies: a dense Llama-family model (no QK-norm, no experts) on
+the CPU with the C++ kernels built, attention backend ``cpu``, no tree masks and no hooks (the
+KV transfer of chapter 07 and the layer-wise loads of chapter 08 hook the layers; they, and
+every other case, take the eager path). ``python benchmarks/cpu_forward_bench.py`` measures it.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+from torch import nn
+
+from ..cache.pool import PagedBatch
+from ..model.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
+from ..model.packed import PackedGroup, PackedLinear, can_pack_linears
+from ..model.transformer import Block, Transformer
+
+
+def _kernels():
+    from ..kernels import cpu_fused_ops, cpu_paged_attention
+
+    return cpu_fused_ops, cpu_paged_attention
+
+
+LINEARS = (("attn", ("wq", "wk", "wv")), ("attn", ("wo",)), ("ffn", ("w_gate", "w_up")),
+           ("ffn", ("w_down",)))     # a layer's four matmuls: packed groups, single linears
+
+
+def supports(model: Transformer, attention_backend: str) -> bool:
+    """Whether :class:`CpuForward` computes what ``model.forward_layers`` would (a walk over
+    the model, about 2 ms here: :class:`CpuForward` repeats it only when the model changed)."""
+    fused, attention = _kernels()
+    if attention_backend != "cpu" or model.device.type != "cpu" or model.dtype not in \
+            fused.DTYPES or not (fused.available() and attention.available()) \
+            or not can_pack_linears(model.device, model.dtype):
+        return False
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks \
+            or any(_hooked(m) for m in model.modules()):
+        return False
+    return type(model.norm) is RMSNorm and all(_plain_layer(b, model) for b in model.layers)
+
+
+def _plain_layer(b: nn.Module, model: Transformer) -> bool:
+    """A Llama layer as :mod:`minillm.model` builds it, with bias-free linears of the model's
+    dtype (plain or packed) whose weights have version counters (not inference tensors)."""
+    cfg = model.cfg
+    if not (type(b) is Block and type(b.attn) is Attention and type(b.ffn) is SwiGLU
+            and type(b.attn_norm) is RMSNorm and type(b.ffn_norm) is RMSNorm
+            and not hasattr(b.attn, "q_norm") and b.attn.n_heads == cfg.n_heads
+            and b.attn.n_kv_heads == cfg.n_kv_heads):
+        return False
+    return all(type(lin) in (nn.Linear, PackedLinear) and lin.bias is None
+               and lin.weight.dtype == model.dtype and not lin.weight.is_inference()
+               for part, names in LINEARS for lin in _linears(getattr(b, part), names))
+
+
+def _linears(module: nn.Module, names: tuple[str, ...]) -> list[nn.Linear]:
+    return [getattr(module, n) for n in names]
+
+
+def _packed(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
+    """The oneDNN weight of ``module``'s linears ``names`` (concatenated by output rows), the
+    one the model's packed linear or group already holds when it has one."""
+    linears = _linears(module, names)
+    if len(names) == 1:
+        lin = linears[0]
+        return (lin if isinstance(lin, PackedLinear) else PackedLinear(lin)).packed_weight()
+    return (module.input_group or PackedGroup(module, *names)).packed_weight(linears)
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks)
+
+
+def _matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [N, K] @ W^T for a weight packed by ``torch.ops.mkldnn._reorder_linear_weight``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _add_rms_norm(fn, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
+                  ) -> torch.Tensor:
+    """x += delta (in place, when given), then norm(x): a new [N, D] tensor."""
+    out = torch.empty_like(x)
+    fn(x.data_ptr(), x.shape[1], None if delta is None else delta.data_ptr(),
+       0 if delta is None else delta.stride(0), norm.weight.data_ptr(), out.data_ptr(),
+       x.shape[0], x.shape[1], norm.eps)
+    return out
+
+
+class CpuForward:
+    """The fast forward for one model, watching what it depends on cheaply: each step
+    compares the model's modules, their hooks and the weights' versions with those it last
+    saw (~0.1 ms), and only when they changed walks the model again (:func:`supports`) and
+    looks its packed weights up (oneDNN's layout, per layer [Wq Wk Wv], Wo, [Wg Wu], Wd). Calling
+    the packed linears instead would cost their own checks, 20-35 us a call here: a tenth of
+    a batch-1 step."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self._seen: tuple | None = None
+        self.supported = False
+        self.weights: list[tuple[torch.Tensor, ...]] = []
+
+    def _unchanged(self, attention_backend: str) -> bool:
+        """Same backend, no global hook, and every module's children, hooks and weight
+        versions as when :meth:`applies` last looked (~0.15 ms of identity checks)."""
+        return self._seen is not None and self._seen[0] == attention_backend \
+            and not (nn.modules.module._global_forward_hooks
+                     or nn.modules.module._global_forward_pre_hooks) \
+            and all(d.get(k) is c for d, k, c in self._seen[1]) \
+            and all(_hooked(m) is hooked for m, hooked in self._seen[2]) \
+            and all(p._version == v for p, v in self._seen[3])
+
+    def applies(self, attention_backend: str) -> bool:
+        """Whether :meth:`__call__` computes this model's forward now."""
+        if self._unchanged(attention_backend):
+            return self.supported
+        self.supported = supports(self.model, attention_backend)
+        self.weights = [tuple(_packed(getattr(b, part), names) for part, names in LINEARS)
+                        for b in self.model.layers] if self.supported else []
+        modules = list(self.model.modules())
+        self._seen = (attention_backend,
+                      [(m._modules, k, c) for m in modules for k, c in m._modules.items()],
+                      [(m, _hooked(m)) for m in modules],
+                      [(p, p._version) for p in self.model.parameters() if not p.is_inference()])
+        return self.supported
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
+                 keep: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """input_ids, positions [N] (the step's flat batch) -> (final normed hidden states
+        [N, D], {layer: residual stream after it [N, D]} for the layers in ``keep``); stores
+        each layer's K/V at ``batch.meta.slot_mapping`` of ``batch.pool``. Call after
+        :meth:`applies`; every sequence of ``batch.meta`` must be in ``meta.direct``."""
+        fused, attention = _kernels()
+        model, meta, pool = self.model, batch.meta, batch.pool
+        cfg, dt = model.cfg, model.dtype
+        norm_fn, rope_fn, silu_fn = (fused.op(name, dt) for name in
+                                     ("add_rms_norm", "rope_store", "silu_mul"))
+        n, hq, hkv, hd = input_ids.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta, dt)          # [N, hd]
+        x = model.embed(input_ids)                                          # [N, D]
+        delta, kept = None, {}
+        for i, (layer, (w_qkv, w_o, w_gu, w_d)) in enumerate(zip(model.layers, self.weights)):
+            h = _add_rms_norm(norm_fn, x, delta, layer.attn_norm)
+            qkv = _matmul(h, w_qkv)                                  # [N, (hq + 2 hkv) hd]
+            k_cache, v_cache = pool.k[i], pool.v[i]
+            q, at = torch.empty(n, hq, hd, dtype=dt), qkv.data_ptr()
+            size = qkv.element_size()
+            rope_fn(at, at + hq * hd * size, at + (hq + hkv) * hd * size, qkv.stride(0),
+                    cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+                    v_cache.data_ptr(), meta.slot_mapping.data_ptr(), n, hq, hkv, hd)
+            out = torch.empty_like(q)
+            attention.attend_in_place(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                      meta.cu_seqlens_q, meta.direct, out)
+            delta = _matmul(out.view(n, -1), w_o)
+            h = _add_rms_norm(norm_fn, x, delta, layer.ffn_norm)
+            gate_up = _matmul(h, w_gu)                               # [N, 2F]: gate, up
+            f = gate_up.shape[1] // 2
+            act = torch.empty(n, f, dtype=dt)
+            silu_fn(gate_up.data_ptr(), gate_up.data_ptr() + f * size, gate_up.stride(0),
+                    act.data_ptr(), n, f)
+            delta = _matmul(act, w_d)
+            if i in keep:
+                x.add_(delta)
+                delta, kept[i] = None, x.clone()
+        return _add_rms_norm(norm_fn, x, delta, model.norm), kept

@@ -1,0 +1,150 @@
+"""The engine's CPU fast path (``minillm.engine.cpu_forward``) against the model's own eager
+forward over the same paged cache, and the runner's choice between them."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from minillm.attention.paged import build_metadata, get_paged_backend
+from minillm.cache.pool import PagedBatch, PagedKVPool
+from minillm.engine import EngineConfig, LLMEngine, cpu_forward
+from minillm.model.packed import pack_linears
+from minillm.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not cpu_forward.supports(__import__("minillm").load_model("tiny")[0], "cpu"),
+    reason="the CPU kernels did not build")
+
+# two steps over block tables of 16-token blocks: prompts, then decodes beside a chunk and a
+# new prompt (sequence: cached, new tokens)
+STEPS = [[(0, 40), (0, 7)], [(40, 1), (7, 5), (0, 3)]]
+TABLES = [[0, 1, 2], [3], [4]]
+
+
+@pytest.fixture(scope="module")
+def models(real):
+    """The real model in three dtypes, its linears packed as the engine packs them."""
+    out = {dt: copy.deepcopy(real[0]).to(dt) for dt in (torch.float64, torch.float32,
+                                                          torch.bfloat16)}
+    for model in out.values():
+        pack_linears(model)
+    return out
+
+
+def run_steps(model, fused: bool, keep=(3, 29)):
+    """Both steps through one forward or the other (float64: the eager one with SDPA): the
+    second step's final hidden states [N, D] and kept layers {layer: [N, D]}, and the pool."""
+    cfg = model.cfg
+    pool = PagedKVPool(cfg, 8, 16, model.device, model.dtype)
+    backend = "sdpa" if model.dtype == torch.float64 else "cpu"
+    g = torch.Generator().manual_seed(0)
+    for step in STEPS:
+        tables = TABLES[:len(step)]
+        meta = build_metadata(tables, [c for c, _ in step], [n for _, n in step], 16,
+                              model.device, q_per_kv=cfg.n_heads // cfg.n_kv_heads,
+                              direct=backend == "cpu")
+        ids = torch.randint(0, cfg.vocab_size, (sum(n for _, n in step),), generator=g)
+        pos = torch.cat([torch.arange(c, c + n) for c, n in step])
+        batch = PagedBatch(pool, meta, get_paged_backend(backend))
+        with torch.inference_mode():
+            if fused:
+                forward = cpu_forward.CpuForward(model)
+                assert forward.applies("cpu")
+                h, kept = forward(ids, pos, batch, keep)
+            else:
+                h, kept = model.forward_layers(ids[None], batch, pos, keep)
+                h, kept = h[0], {i: x[0] for i, x in kept.items()}
+    return h, kept, pool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_path_is_as_close_to_float64_as_the_eager_forward(models, dtype):
+    """The ops round like the eager ones but sum in another order, so an ulp here and there
+    moves: the fast path's hidden states, kept layers and cached K/V must be no further from
+    the float64 forward's than the eager path's (and float32's close to them)."""
+    exact, exact_kept, exact_pool = run_steps(models[torch.float64], fused=False)
+    runs = {fused: run_steps(models[dtype], fused) for fused in (False, True)}
+
+    def error(got, want):
+        return (got.double() - want).abs().mean().item()
+
+    for pick in (lambda r: r[0], lambda r: r[1][3], lambda r: r[1][29], lambda r: r[2].k,
+                 lambda r: r[2].v):
+        want = pick((exact, exact_kept, exact_pool))
+        assert error(pick(runs[True]), want) <= 1.25 * error(pick(runs[False]), want) + 1e-9
+    assert runs[True][1].keys() == {3, 29}
+    if dtype == torch.float32:
+        torch.testing.assert_close(runs[True][0], runs[False][0], rtol=0,
+                                   atol=1e-5 * exact.abs().max().item())
+
+
+def count_fast_steps(monkeypatch) -> list[int]:
+    calls = []
+    real_forward = cpu_forward.CpuForward.__call__
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_forward.CpuForward, "__call__", counted)
+    return calls
+
+
+def greedy(engine, prompts, n=12):
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0.0,
+                                                ignore_eos=True)) for p in prompts]
+    out = {}
+    while engine.has_unfinished():
+        out.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return [out[i] for i in ids]
+
+
+def test_the_engine_takes_the_fast_path_and_generates_what_eager_does(real, monkeypatch):
+    model, tok = real
+    prompts = [tok.encode(t) for t in ("The capital of France is", "def fib(n):", "Once")]
+    calls = count_fast_steps(monkeypatch)
+    eager = LLMEngine(model, tok, EngineConfig(attention_backend="cpu"))
+    eager.runner.fuse_ops = False
+    expected = greedy(eager, prompts)
+    assert not calls
+    fast = LLMEngine(model, tok, EngineConfig(attention_backend="cpu"))
+    assert greedy(fast, prompts) == expected
+    assert len(calls) == len(fast.trace)                      # every step went the fast way
+
+
+def test_hooked_layers_and_other_backends_take_the_eager_path(real, monkeypatch):
+    model, tok = real
+    calls = count_fast_steps(monkeypatch)
+    seen = []
+    hook = model.layers[5].register_forward_hook(lambda *args: seen.append(1))
+    try:
+        greedy(LLMEngine(model, tok, EngineConfig(attention_backend="cpu")), [[1, 2, 3]], 3)
+    finally:
+        hook.remove()
+    assert not calls and len(seen) == 3                        # the hook ran every step
+    greedy(LLMEngine(model, tok, EngineConfig(attention_backend="sdpa")), [[1, 2, 3]], 3)
+    assert not calls
+    assert not cpu_forward.supports(model, "sdpa")
+
+
+def test_without_a_compiler_the_engine_runs_the_eager_forward(real, monkeypatch, tmp_path):
+    from minillm.kernels import cpu_fused_ops
+
+    model, tok = real
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+    cpu_fused_ops.LIBRARY.clear()
+    try:
+        assert not cpu_fused_ops.available()
+        assert "no-such-compiler" in cpu_fused_ops.unavailable_reason()
+        with pytest.raises(RuntimeError, match="unavailable"):
+            cpu_fused_ops.silu_mul(torch.ones(1, 4), torch.ones(1, 4))
+        calls = count_fast_steps(monkeypatch)
+        engine = LLMEngine(model, tok, EngineConfig(attention_backend="cpu"))
+        assert len(greedy(engine, [[1, 2, 3]], 3)[0]) == 3 and not calls
+    finally:
+        monkeypatch.undo()
+        cpu_fused_ops.LIBRARY.clear()
+    assert cpu_fused_ops.available()
