@@ -30,6 +30,7 @@ from collections.abc import Collection
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from ..cache.pool import PagedBatch
 from ..model.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
@@ -91,6 +92,18 @@ def _packed(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
 
 def _hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks)
+
+
+def _traced(name: str, fn):
+    """``fn``, shown as ``minillm::<name>`` in torch.profiler's table while it records (the
+    annotation costs ~30 us a call, so only then)."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return fn
+
+    def call(*args):
+        with record_function(f"minillm::{name}"):
+            fn(*args)
+    return call
 
 
 def _matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -155,7 +168,7 @@ class CpuForward:
         fused, attention = _kernels()
         model, meta, pool = self.model, batch.meta, batch.pool
         cfg, dt = model.cfg, model.dtype
-        norm_fn, rope_fn, silu_fn = (fused.op(name, dt) for name in
+        norm_fn, rope_fn, silu_fn = (_traced(name, fused.op(name, dt)) for name in
                                      ("add_rms_norm", "rope_store", "silu_mul"))
         n, hq, hkv, hd = input_ids.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta, dt)          # [N, hd]

@@ -30,7 +30,7 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
                     "scatter", "gather", "memcpy", "memset", "unsqueeze", "clone", "item")),
     ("norm/elementwise", ("mul", "add", "sub", "div", "pow", "mean", "rsqrt", "silu", "neg",
                           "sum", "exp", "elementwise", "reduce", "norm", "sqrt", "where",
-                          "arange", "cos", "sin", "argmax", "max")),
+                          "arange", "cos", "sin", "argmax", "max", "rope")),
 )
 
 
