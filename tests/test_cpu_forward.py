@@ -126,6 +126,11 @@ def test_hooked_layers_and_other_backends_take_the_eager_path(real, monkeypatch)
     assert not calls and len(seen) == 3                        # the hook ran every step
     greedy(LLMEngine(model, tok, EngineConfig(attention_backend="sdpa")), [[1, 2, 3]], 3)
     assert not calls
+    wrapped = LLMEngine(model, tok, EngineConfig(attention_backend="cpu"))
+    inner, seen_attn = wrapped.runner.attn, []
+    wrapped.runner.attn = lambda *args: seen_attn.append(1) or inner(*args)
+    greedy(wrapped, [[1, 2, 3]], 3)
+    assert not calls and len(seen_attn) == 3 * model.cfg.n_layers   # a wrapped backend runs
     assert not cpu_forward.supports(model, "sdpa")
 
 

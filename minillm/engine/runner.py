@@ -78,9 +78,11 @@ class ModelRunner:
 
     def fused_path(self, meta, layers: Collection[int]) -> bool:
         """Whether this step runs :class:`~.cpu_forward.CpuForward` (the C++ small ops): when
-        ``fuse_ops`` allows, it supports the model (:func:`~.cpu_forward.supports`), and
-        every sequence goes to the paged kernel (no tree masks)."""
-        return self.fuse_ops and meta.direct is not None \
+        ``fuse_ops`` allows, it supports the model (:func:`~.cpu_forward.supports`), every
+        sequence goes to the paged kernel (no tree masks), and ``self.attn`` is that backend
+        itself (one wrapped to record its inputs, as chapter 04 does, is called eagerly)."""
+        return self.fuse_ops and self.attn is get_paged_backend("cpu") \
+            and meta.direct is not None \
             and meta.direct.numel() == len(meta.q_lens) \
             and all(0 <= i < self.model.cfg.n_layers for i in layers) \
             and self.cpu_forward.applies(self.attention_backend)
