@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 SCRIPT = textwrap.dedent("""
-    import os, threading, torch
+    import os, threading, time, torch
     from minillm.device import release_openmp_threads
     torch.set_num_threads(2)
     a, b = torch.randn(512, 512), torch.randn(512, 512)
@@ -20,6 +20,9 @@ SCRIPT = textwrap.dedent("""
     a @ b                                   # starts this thread's OpenMP team
     before = tasks()
     released = release_openmp_threads()
+    deadline = time.monotonic() + 5.0       # the worker is told to exit, and exits soon after
+    while tasks() >= before and time.monotonic() < deadline:
+        time.sleep(0.01)
     after = tasks()
     ok = torch.allclose(a @ b, ref, atol=1e-3)     # a new team, same result
     out = {}
