@@ -72,7 +72,7 @@ def main() -> None:
     model, tok = minillm.load_model("smollm2-135m", device="cpu", dtype=args.dtype)
     engine = LLMEngine(model, tok, EngineConfig(attention_backend="cpu"))
     engine.warmup()
-    if not engine.runner.cpu_forward.applies("cpu"):
+    if not engine.runner.cpu_forward.applies():
         raise SystemExit("the fused CPU path does not apply here (no C++ compiler, or dtype)")
     rows = [measure(engine, b, args.rounds, seed) for seed, b in enumerate(args.batches)]
     report = {"benchmark": "cpu_forward", "model": "smollm2-135m", "dtype": args.dtype,

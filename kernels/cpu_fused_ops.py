@@ -16,14 +16,15 @@ bfloat16 here too; float32 products are not contracted into FMAs), so the result
 eager ones up to the order of a sum or the last bits of an exp: a few ulps at most
 (``tests/test_cpu_fused_ops.py`` compares them with the eager code and float64). Rows are shared
 by OpenMP threads once there are enough of them. Compiled by :mod:`.cpu_build`, called through
-ctypes without checks by the engine (:mod:`minillm.engine.cpu_forward`); the public functions
-check their arguments.
+ctypes: ``*_into`` unchecked, for the engine (:mod:`minillm.engine.cpu_forward`), which built
+every tensor it passes; the others check their arguments first.
 """
 from __future__ import annotations
 
 import ctypes
 
 import torch
+from torch.profiler import record_function
 
 from .cpu_build import SCALARS, Library
 
@@ -148,9 +149,46 @@ def unavailable_reason() -> str:
     return LIBRARY.reason()
 
 
-def op(name: str, dtype: torch.dtype):
-    """The C++ function ``name`` for ``dtype``, for callers that pass checked pointers."""
-    return getattr(LIBRARY.get(), f"{name}_{DTYPES[dtype]}")
+def _call(name: str, dtype: torch.dtype, *args) -> None:
+    """Call the C++ function ``name`` for ``dtype``; a row of torch.profiler's table
+    (``minillm::<name>``) while it records (the annotation costs ~30 us, so only then)."""
+    fn = getattr(LIBRARY.get(), f"{name}_{DTYPES[dtype]}")
+    if torch.autograd.profiler._is_profiler_enabled:
+        with record_function(f"minillm::{name}"):
+            fn(*args)
+    else:
+        fn(*args)
+
+
+# The unchecked calls (for the engine, which built every tensor it passes: rows contiguous,
+# one dtype, slots in range; use the checked functions below otherwise).
+
+def add_rms_norm_into(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float, out: torch.Tensor) -> torch.Tensor:
+    """x += residual (when given), then out = weight * RMSNorm(x); x, residual, out [n, d]."""
+    _call("add_rms_norm", x.dtype, x.data_ptr(), x.stride(0),
+          None if residual is None else residual.data_ptr(),
+          0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(),
+          x.shape[0], x.shape[1], eps)
+    return out
+
+
+def rope_store_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, q_out: torch.Tensor) -> torch.Tensor:
+    """q_out [n, Hq, D] = rope(q); rope(k), v stored at ``slot_mapping`` of the caches."""
+    hkv, d = k_cache.shape[2:]
+    _call("rope_store", q.dtype, q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0),
+          cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(),
+          v_cache.data_ptr(), slot_mapping.data_ptr(), q.shape[0], q.shape[1] // d, hkv, d)
+    return q_out
+
+
+def silu_mul_into(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [n, F] = silu(gate) * up (gate and up sharing one row stride)."""
+    _call("silu_mul", gate.dtype, gate.data_ptr(), up.data_ptr(), gate.stride(0),
+          out.data_ptr(), gate.shape[0], gate.shape[1])
+    return out
 
 
 def _rows(name: str, t: torch.Tensor, width: int, dtype: torch.dtype) -> int:
@@ -176,17 +214,15 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     returns weight [d] * RMSNorm(x) as a new [n, d] tensor (minillm's RMSNorm rounding)."""
     _ready(x.dtype)
     n, d = x.shape if x.dim() == 2 else (-1, -1)
-    ldx = _rows("x", x, d, x.dtype)
+    _rows("x", x, d, x.dtype)
     _rows("weight", weight[None], d, x.dtype)
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous")
-    ldr = _rows("residual", residual, d, x.dtype) if residual is not None else 0
+    if residual is not None:
+        _rows("residual", residual, d, x.dtype)
     if residual is not None and residual.shape[0] != n:
         raise ValueError(f"residual must have x's {n} rows, got {residual.shape[0]}")
-    out = torch.empty(n, d, dtype=x.dtype)
-    op("add_rms_norm", x.dtype)(x.data_ptr(), ldx, residual.data_ptr() if residual is not None
-                                else None, ldr, weight.data_ptr(), out.data_ptr(), n, d, eps)
-    return out
+    return add_rms_norm_into(x, residual, weight, eps, torch.empty(n, d, dtype=x.dtype))
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -219,11 +255,8 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     slots = k_cache.shape[0] * k_cache.shape[1]
     if n and not 0 <= int(slot_mapping.min()) <= int(slot_mapping.max()) < slots:
         raise ValueError(f"slot_mapping must index the cache's {slots} slots")
-    q_out = torch.empty(n, hq, d, dtype=q.dtype)
-    op("rope_store", q.dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), ld, cos.data_ptr(),
-                              sin.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(),
-                              v_cache.data_ptr(), slot_mapping.data_ptr(), n, hq, hkv, d)
-    return q_out
+    return rope_store_into(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                           torch.empty(n, hq, d, dtype=q.dtype))
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -234,7 +267,4 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     ld = _rows("gate", gate, f, gate.dtype)
     if _rows("up", up, f, gate.dtype) != ld or up.shape[0] != gate.shape[0]:
         raise ValueError(f"up must have gate's shape and row stride, got {tuple(up.shape)}")
-    out = torch.empty(gate.shape[0], f, dtype=gate.dtype)
-    op("silu_mul", gate.dtype)(gate.data_ptr(), up.data_ptr(), ld, out.data_ptr(),
-                               gate.shape[0], f)
-    return out
+    return silu_mul_into(gate, up, torch.empty(gate.shape[0], f, dtype=gate.dtype))

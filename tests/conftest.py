@@ -51,3 +51,23 @@ def tiny():
     import minillm
 
     return minillm.load_model("tiny", device="cpu", dtype="float32")
+
+
+@pytest.fixture
+def no_compiler(monkeypatch, tmp_path):
+    """``forget(*libraries)``: from then on in the test, CXX names no compiler, the build cache
+    is empty and those CPU kernel libraries (``kernels.cpu_build.Library``) rebuild, and fail;
+    after the test they load again as before."""
+    forgotten = []
+
+    def forget(*libraries) -> None:
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+        monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+        for library in libraries:
+            library.clear()
+            forgotten.append(library)
+
+    yield forget
+    monkeypatch.undo()
+    for library in forgotten:
+        library.clear()

