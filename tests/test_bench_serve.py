@@ -13,6 +13,7 @@ pytest.importorskip("uvicorn")
 from minillm.bench.serve import (  # noqa: E402
     RequestResult,
     free_port,
+    make_load,
     note_event,
     run_load,
     run_serve_bench,
@@ -99,3 +100,19 @@ def test_unreachable_server_fails_every_request():
     results = asyncio.run(run_load(base, ["a", "b"], [2, 2], [0.0, 0.01], lambda n: {}))
     assert all(not r.ok and "Connect" in r.error for r in results)
     assert summarise(results, SLO(1.0, 1.0))["failed"] == 2
+
+
+def test_each_rate_has_its_own_prompts():
+    """No prompt shares its first 16 tokens with another of any rate or with the warm-up: a
+    prefix-caching server (vLLM) must not find an earlier rate's prompts already computed."""
+    from minillm.checkpoint.loader import smollm2_tokenizer
+
+    load = make_load(32, (1.0, 2.0, 4.0), 24, 64, 4, 8, 0, SLO(1.0, 0.1))
+    assert set(load.prompts) == set(load.arrivals) == {1.0, 2.0, 4.0}
+    tok = smollm2_tokenizer()
+    heads = [tuple(tok.encode(p)[:16]) for rate in load.prompts for p in load.prompts[rate]]
+    heads += [tuple(tok.encode(p)[:16]) for p in load.warmup]
+    assert len(heads) == 3 * 32 + 2 and len(set(heads)) == len(heads)
+    for prompts in load.prompts.values():     # same lengths at every rate (to a token or two:
+        lens = [len(tok.encode(p)) for p in prompts]     # decoded text is re-tokenised)
+        assert all(abs(n - m) <= 2 for n, m in zip(lens, load.prompt_lens))

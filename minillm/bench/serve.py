@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -327,13 +328,19 @@ def llama_cpp_server_missing() -> str | None:
 
 @dataclass
 class Load:
-    """The workload every server gets: text prompts, output lengths, arrivals per rate."""
+    """The workload every server gets: text prompts per rate, output lengths, arrivals per rate.
 
-    prompts: list[str]
+    Each rate has its own prompts (same lengths, other text): a server that caches prefixes
+    (vLLM does by default) must not find one rate's prompts already computed by an earlier rate.
+    ``warmup`` prompts share no text with any rate's.
+    """
+
+    prompts: dict[float, list[str]]
     prompt_lens: list[int]
     output_lens: list[int]
     arrivals: dict[float, list[float]]
     slo: SLO
+    warmup: list[str] = field(default_factory=list)
 
 
 def sweep(spec: ServerSpec, port: int, threads: int, load: Load,
@@ -343,9 +350,10 @@ def sweep(spec: ServerSpec, port: int, threads: int, load: Load,
     out = {"command": spec.command, "runs": runs}
     with server_process(spec.command, port, spec.ready_path, threads, spec.startup_timeout,
                         record=out, extra_env=spec.env) as base:
-        asyncio.run(run_load(base, load.prompts[:2], [4, 4], [0.0, 0.0], spec.extra))
+        asyncio.run(run_load(base, load.warmup, [4] * len(load.warmup),
+                             [0.0] * len(load.warmup), spec.extra))
         for rate, arrivals in load.arrivals.items():
-            results = asyncio.run(run_load(base, load.prompts, load.output_lens, arrivals,
+            results = asyncio.run(run_load(base, load.prompts[rate], load.output_lens, arrivals,
                                            spec.extra))
             run = {"rate": rate, **summarise(results, load.slo),
                    "kv_blocks_after": kv_blocks(base)}
@@ -362,15 +370,43 @@ def fmt(x: float | None) -> str:
 
 def make_load(num_requests: int, rates: Sequence[float], prompt_median: int, prompt_max: int,
               output_median: int, output_max: int, seed: int, slo: SLO) -> Load:
-    """The seeded workload (sharegpt-like lengths) with Poisson arrivals for each rate."""
+    """The seeded workload (sharegpt-like lengths) with Poisson arrivals for each rate.
+
+    Every rate gets the same lengths; its prompts are windows (distinct starts) of its own
+    stretch of prose, so no prompt shares its first KV block with another prompt of any rate.
+    """
     from ..checkpoint.loader import smollm2_tokenizer
+    from ..evaluate import sample_ids
 
     tok = smollm2_tokenizer()
     work = sharegpt_like_workload(tok, num_requests, prompt_median, output_median,
                                   prompt_max=prompt_max, output_max=output_max, seed=seed)
-    return Load([tok.decode(p) for p in work.prompts], [len(p) for p in work.prompts],
-                list(work.output_lens),
-                {float(r): poisson_arrivals(num_requests, r, seed) for r in rates}, slo)
+    lens = [len(p) for p in work.prompts]
+    stretch = max(4 * prompt_max, 2 * num_requests)
+    text = sample_ids((len(rates) + 1) * stretch, tok)
+    rng = random.Random(seed)
+    prompts = {}
+    for k, rate in enumerate(rates):
+        own = text[k * stretch:(k + 1) * stretch]
+        starts = distinct_starts(lens, stretch, rng)
+        prompts[float(rate)] = [tok.decode(own[s:s + n]) for s, n in zip(starts, lens)]
+    spare = text[len(rates) * stretch:]
+    warmup = [tok.decode(spare[:16]), tok.decode(spare[32:48])]
+    return Load(prompts, lens, list(work.output_lens),
+                {float(r): poisson_arrivals(num_requests, r, seed) for r in rates}, slo, warmup)
+
+
+def distinct_starts(lens: Sequence[int], stretch: int, rng: random.Random) -> list[int]:
+    """A start in ``range(stretch - n)`` for each length n, no two alike."""
+    taken: set[int] = set()
+    starts = []
+    for n in lens:
+        s = rng.randrange(0, stretch - n)
+        while s in taken:
+            s = rng.randrange(0, stretch - n)
+        taken.add(s)
+        starts.append(s)
+    return starts
 
 
 def run_serve_bench(model: str = "smollm2-135m", rates: Sequence[float] = RATES,
