@@ -7,6 +7,7 @@ relative, and fails naming the file, the line and the module it reaches.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -91,10 +92,39 @@ def test_layer_check_sees_a_planted_import(planted, tmp_path, monkeypatch):
     assert len(bad) >= 1 and all("engine/runner.py" in b for b in bad)
 
 
-def test_kernels_package_is_import_free():
-    """HF transformers probes a top-level ``kernels`` module: importing ours must do nothing."""
-    tree = ast.parse((ROOT / "kernels" / "__init__.py").read_text())
-    assert all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in tree.body)
+def _import_kernels_from_root(pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    """``import kernels`` run the way ``python -c``/``python -m`` run from the repository root:
+    the root is first on sys.path, so our ``kernels/`` folder is what the import finds first."""
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    code = ("import kernels, minillm.kernels; print(kernels.__file__); "
+            "print(getattr(kernels, 'MARK', ''))")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_top_level_kernels_hands_over_to_the_pypi_package(tmp_path):
+    """A stand-in for the PyPI ``kernels`` behind the root on sys.path wins the top-level name."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("MARK = 'pypi'\n")
+    proc = _import_kernels_from_root(str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(tmp_path / "kernels" / "__init__.py"), "pypi"]
+
+
+@pytest.mark.slow
+def test_transformers_imports_from_the_repository_root():
+    """transformers >= 5.25 depends on the PyPI ``kernels`` and imports it with its models."""
+    code = "from transformers import LlamaForCausalLM; import kernels; print(kernels.__file__)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return  # no PyPI package: ours stays, and transformers finds no version to use
+    assert Path(proc.stdout.split()[-1]).parent != ROOT / "kernels"
 
 
 def _run_from_plain_checkout(tmp_path: Path, code: str) -> subprocess.CompletedProcess:
