@@ -40,7 +40,7 @@ lab: setup
 
 # Every unit, parity and notebook test; MINILLM_FAST=1 shrinks notebook sizes for 2 CPU cores.
 test: setup
-	MINILLM_FAST=1 $(BIN)/python -m pytest tests --nbmake --nbmake-timeout=1200 chapters -q
+	MINILLM_FAST=1 $(BIN)/python -m pytest tests --nbmake --nbmake-timeout=1200 chapters -q --durations=25
 
 test-fast: setup
 	$(BIN)/python -m pytest tests -q -m "not slow"

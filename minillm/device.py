@@ -58,7 +58,7 @@ def fast_mode() -> bool:
     return os.environ.get("MINILLM_FAST", "0") not in ("", "0")
 
 
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx_vnni", "avx512_vnni",
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx_vnni", "avx512_vnni",
              "amx_tile", "amx_bf16", "amx_int8")
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")   # native bf16 dot products
 BF16_MIN_SPEEDUP = 1.15                    # bf16 must beat fp32 by this much to be chosen

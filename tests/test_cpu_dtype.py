@@ -91,7 +91,17 @@ def test_cpu_features_reads_cpuinfo(monkeypatch, tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 amx_tile\n")
     monkeypatch.setattr(device, "CPUINFO", str(info))
-    assert device.cpu_features() == {"avx2", "avx512f", "avx512_bf16", "amx_tile"}
+    assert device.cpu_features() == {"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"}
+
+
+def test_machine_info_records_the_cpu_flags(monkeypatch, tmp_path):
+    from minillm.bench.common import machine_info
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("flags\t\t: fpu avx2 avx512_bf16 sse2\n")
+    monkeypatch.setattr(device, "CPUINFO", str(info))
+    assert machine_info(torch.device("cpu"), 1)["cpu_flags"] == ["avx2", "avx512_bf16"]
+    assert machine_info(torch.device("meta"), 1)["cpu_flags"] is None
 
 
 def test_cpu_features_unreadable_is_empty(monkeypatch, tmp_path):

@@ -25,7 +25,7 @@ from ..checkpoint.gguf import find_smollm2_gguf
 from ..checkpoint.loader import REAL_MODEL, load_model
 from ..checkpoint.tokenizer import Tokenizer
 from ..config import SamplingParams
-from ..device import sync
+from ..device import cpu_features, sync
 from ..generate import generate
 from ..model.transformer import Transformer
 
@@ -79,14 +79,15 @@ def package_version(name: str) -> str | None:
 
 
 def machine_info(device: torch.device, threads: int) -> dict:
-    """Where and when the numbers were measured."""
+    """Where and when the numbers were measured (with the matmul-relevant CPU flags on a CPU)."""
     return {
         "device": device_name(device), "device_type": device.type,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(), "python": platform.python_version(),
         "torch": torch.__version__, "transformers": package_version("transformers"),
         "llama_cpp_python": package_version("llama_cpp_python"), "threads": threads,
-        "cores": available_cores()}
+        "cores": available_cores(),
+        "cpu_flags": sorted(cpu_features()) if device.type == "cpu" else None}
 
 
 # ----------------------------------------------------------------------------- timing

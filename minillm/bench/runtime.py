@@ -226,24 +226,11 @@ def run_runtime_bench(model_name: str = REAL_MODEL, configs: Sequence[str] | Non
     return {"benchmark": "runtime", "model": str(model_name), "prompt_len": prompt_len,
             "new_tokens": new_tokens, "repeats": repeats, "random_weights": random_weights,
             **machine_info(dev, threads),
-            "cpu_flags": cpu_flags(), "load_average": [load_at_start, os.getloadavg()[0]],
+            "load_average": [load_at_start, os.getloadavg()[0]],
             "method": "batch-1 decode tok/s = (new_tokens-1)/(generate - prefill), greedy, "
                       "EOS ignored, one warm-up (compiles) then the median of `repeats` "
                       "interleaved rounds; batch sweep: median ms of 16 decode steps",
             "results": [asdict(r) for r in results], "batch_sweep": sweep}
-
-
-def cpu_flags() -> list[str]:
-    """The CPU flags that decide matmul speed (from /proc/cpuinfo; empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                  if ln.startswith("flags")), [])
-    keep = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8",
-            "avx_vnni")
-    return [f for f in keep if f in flags]
 
 
 def runtime_table(report: dict) -> str:
