@@ -1,6 +1,7 @@
 """oneDNN-packed linears against F.linear, fp32 and bf16, at the model's shapes (CPU).
 
-    python benchmarks/packed_linear_bench.py [--threads N] [--out benchmarks/results/packed_linear.json]
+    python benchmarks/packed_linear_bench.py [--threads N]
+        [--out benchmarks/results/packed_linear.json]
 
 For each weight shape of SmolLM2-135M (q/k/v grouped, gate/up grouped, down, the tied output
 head) and each row count (1 = one decode step at batch 1, up to 256), times ``F.linear`` and
@@ -45,10 +46,10 @@ def measure(dtype: torch.dtype) -> list[dict]:
         for m in ROWS:
             x = torch.randn(m, in_f).to(dtype)
 
-            def plain():
+            def plain(x=x, w=w):
                 return F.linear(x, w)
 
-            def onednn():
+            def onednn(x=x, packed=packed):
                 return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
             t_plain, t_packed = best_ms(plain), best_ms(onednn)

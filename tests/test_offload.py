@@ -19,8 +19,14 @@ from hypothesis import strategies as st
 
 from minillm import SamplingParams
 from minillm.cache import offload
-from minillm.cache.offload import (DiskTier, MemoryTier, OffloadConfig, chunk_keys, decode_entry,
-                                   encode_entry)
+from minillm.cache.offload import (
+    DiskTier,
+    MemoryTier,
+    OffloadConfig,
+    chunk_keys,
+    decode_entry,
+    encode_entry,
+)
 from minillm.engine import EngineConfig, LLMEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

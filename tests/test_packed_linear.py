@@ -1,4 +1,5 @@
-"""PackedLinear (oneDNN-packed fp32 and bf16 weights) against F.linear in float64 and the unpacked model."""
+"""PackedLinear (oneDNN-packed fp32 and bf16 weights) against F.linear in float64 and the
+unpacked model."""
 from __future__ import annotations
 
 import copy

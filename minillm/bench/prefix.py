@@ -124,9 +124,10 @@ def run_tiers(model, tok, work: Workload, rate: float, seed: int, base: dict,
                             ("small CPU + disk", small),
                             ("restart: same disk", small)]:
             runs[name] = run(model, tok, work, rate, seed, kv_offload=store, **opts)
-    return {"device_blocks": device_blocks, "device_prompts": device_blocks * base.get("block_size", 16) // len(
-        work.prompts[0]), "num_prompts": num_docs, "prompt_bytes": prompt_bytes,
-        "chunk_tokens": chunk_tokens, "runs": runs}
+    device_prompts = device_blocks * base.get("block_size", 16) // len(work.prompts[0])
+    return {"device_blocks": device_blocks, "device_prompts": device_prompts,
+            "num_prompts": num_docs, "prompt_bytes": prompt_bytes,
+            "chunk_tokens": chunk_tokens, "runs": runs}
 
 
 PARTS = ("shared_prompt", "multi_turn", "cache_size", "tiers", "blend")

@@ -224,7 +224,7 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
     engine = loaded_engine(model, tok, work, **engine_options)
     engine.warmup()          # untimed, like the peers' start-up (vLLM's LLM() warms up too)
     results = [timed_run("minillm", dtype_name(dt), "continuous batching, paged KV", work, dev,
-                     lambda: stats.update(run_minillm(engine)))]
+                     lambda engine=engine: stats.update(run_minillm(engine)))]
     del engine
     say(f"minillm: {results[-1]} {stats}")
     step_profile = profile_minillm(model, tok, work, profile_steps, **engine_options) \

@@ -9,7 +9,8 @@ from torch import nn
 
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose inference forward runs oneDNN on a copy of the weight reordered
-    once into oneDNN's blocked layout (CPU; see :func:`can_pack_linears`). The weight Parameter is the original one
+    once into oneDNN's blocked layout (CPU; see :func:`can_pack_linears`). The weight Parameter
+    is the original one
     (state_dict keys and weight tying are unchanged); the packed copy is redone if the weight is
     modified in place, and skipped when autograd needs the weight (training falls back to
     ``F.linear``). On a small AVX2 CPU (fp32) the gain is largest for the wide output head at
@@ -49,7 +50,8 @@ class PackedGroup:
     linears of ``owner`` and looks them up at each call, so the weights stay their own
     Parameters (state_dict unchanged) and a linear swapped later (sharded, quantized) is used
     as it is now. The concatenated copy is redone when a weight changes; a call that autograd
-    must see, in a dtype or device that does not pack, or over anything but bias-free plain linears runs them one by one.
+    must see, in a dtype or device that does not pack, or over anything but bias-free plain
+    linears runs them one by one.
     Calling it returns the outputs in order, views of one [..., sum of out_features] result."""
 
     def __init__(self, owner: nn.Module, *names: str) -> None:
@@ -95,7 +97,8 @@ def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
 def pack_linears(model: nn.Module) -> int:
     """Replace every plain ``nn.Linear`` of ``model`` by a :class:`PackedLinear` sharing its
     parameters (in place), and give each attention its q/k/v and each SwiGLU its gate/up as
-    one :class:`PackedGroup` (used while they are bias-free plain linears); returns how many linears were replaced."""
+    one :class:`PackedGroup` (used while they are bias-free plain linears); returns how many
+    linears were replaced."""
     from .layers import Attention, SwiGLU
 
     swaps = [(parent, name, child) for parent in model.modules()
