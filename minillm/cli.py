@@ -452,7 +452,7 @@ def add_bench_serve(sub) -> None:
     p.add_argument("--peers", nargs="+", default=list(PEERS),
                    help="servers: minillm, llama.cpp, vllm (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="minillm's batch (default: "
-                                                                  "the engine's)")
+                                                                  "the server's)")
     p.add_argument("--seed", type=int, default=0, help="(default: 0)")
     p.set_defaults(func=cmd_bench_serve)
 
@@ -526,7 +526,9 @@ def add_serve(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get after SIGTERM (default: %(default)s)")
     p.add_argument("--log-level", default="info", help="uvicorn's (default: %(default)s)")
-    engine = p.add_argument_group("engine options (minillm.LLM's; default: the engine's)")
+    engine = p.add_argument_group("engine options (minillm.LLM's; default: the engine's, "
+                                  "except --max-num-seqs: vLLM's CPU server default, "
+                                  "minillm.serve.api.SERVER_MAX_NUM_SEQS)")
     for flag, kind in (("--max-num-seqs", int), ("--num-kv-blocks", int), ("--block-size", int),
                        ("--max-num-batched-tokens", int)):
         engine.add_argument(flag, type=kind, default=None)

@@ -411,3 +411,25 @@ def test_cli_serve_finishes_in_flight_streams_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_gives_the_engine_vllms_cpu_server_batch(monkeypatch):
+    # `minillm serve` seats 128 requests unless told otherwise (vLLM's CPU server default);
+    # an explicit max_num_seqs wins. The engine is replaced by one that records its options.
+    import minillm.engine.llm as llm_module
+    from minillm.serve import api
+
+    class Loaded(Exception):
+        pass
+
+    seen: dict = {}
+
+    def record(model, **options):
+        seen.update(options)
+        raise Loaded
+
+    monkeypatch.setattr(llm_module, "LLM", record)
+    for given, want in (({}, 128), ({"max_num_seqs": 4}, 4)):
+        with pytest.raises(Loaded):
+            api.serve(MODEL, **given)
+        assert seen["max_num_seqs"] == want

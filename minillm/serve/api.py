@@ -293,16 +293,26 @@ def v1_routes(server: Server) -> APIRouter:
     return router
 
 
+#: Seats in the server's running batch unless ``max_num_seqs`` is given: vLLM's OpenAI server
+#: on a CPU defaults to 128 (``vllm/engine/arg_utils.py``, 0.32), twice the engine's offline 64.
+#: Past a full batch requests wait for a seat, so under overload the smaller batch shows as a
+#: long TTFT tail (``bench serve --rates 16``: TTFT p99 4.27 s with 64 seats, 1.38 s with 128;
+#: serve_rate16.json and its version at commit 191dc0a).
+SERVER_MAX_NUM_SEQS = 128
+
+
 def serve(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000, *,
           api_key: str | None = None, max_queue: int = 1024, shutdown_timeout: float = 30.0,
           device: str | None = None, dtype: str | None = None, log_level: str = "info",
           served_model_name: str | None = None, **engine_options) -> None:
     """Load ``model`` into a :class:`minillm.LLM` and serve it until SIGINT/SIGTERM; in-flight
-    responses get ``shutdown_timeout`` seconds to finish, then they are aborted."""
+    responses get ``shutdown_timeout`` seconds to finish, then they are aborted.
+    ``engine_options`` go to the engine (``max_num_seqs``: :data:`SERVER_MAX_NUM_SEQS`)."""
     import uvicorn
 
     from ..engine.llm import LLM
 
+    engine_options.setdefault("max_num_seqs", SERVER_MAX_NUM_SEQS)
     llm = LLM(model, device=device, dtype=dtype, **engine_options)
     warm = llm.engine.warmup()              # the first request would pay for it otherwise
     app = create_app(llm.engine, served_model_name or model, api_key=api_key,
