@@ -296,7 +296,7 @@ def v1_routes(server: Server) -> APIRouter:
 #: Seats in the server's running batch unless ``max_num_seqs`` is given: vLLM's OpenAI server
 #: on a CPU defaults to 128 (``vllm/engine/arg_utils.py``, 0.32), twice the engine's offline 64.
 #: Past a full batch requests wait for a seat, so under overload the smaller batch shows as a
-#: long TTFT tail (``bench serve --rates 16``: TTFT p99 4.27 s with 64 seats, 1.38 s with 128;
+#: long TTFT tail (``bench serve --rates 16``: TTFT p99 4.27 s with 64 seats, 1.54 s with 128;
 #: serve_rate16.json and its version at commit 191dc0a).
 SERVER_MAX_NUM_SEQS = 128
 
