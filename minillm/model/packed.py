@@ -10,12 +10,11 @@ from torch import nn
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose inference forward runs oneDNN on a copy of the weight reordered
     once into oneDNN's blocked layout (CPU; see :func:`can_pack_linears`). The weight Parameter
-    is the original one
-    (state_dict keys and weight tying are unchanged); the packed copy is redone if the weight is
-    modified in place, and skipped when autograd needs the weight (training falls back to
-    ``F.linear``). On a small AVX2 CPU (fp32) the gain is largest for the wide output head at
-    tens of rows, an engine decode step; on an AVX-512-BF16 CPU bf16 gains most at a few rows
-    (``tests/test_packed_linear.py`` checks equality,
+    is the original one (state_dict keys and weight tying are unchanged); the packed copy is
+    redone if the weight is modified in place, and skipped when autograd needs the weight
+    (training falls back to ``F.linear``). On a small AVX2 CPU (fp32) the gain is largest for
+    the wide output head at tens of rows, an engine decode step; on an AVX-512-BF16 CPU bf16
+    gains most at a few rows (``tests/test_packed_linear.py`` checks equality,
     ``python -m minillm bench throughput`` measures the speed)."""
 
     def __init__(self, linear: nn.Linear) -> None:
