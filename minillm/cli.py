@@ -471,8 +471,8 @@ def add_bench_runtime(sub) -> None:
     p = bench_parser(sub, "runtime", "batch-1 decode eager / compiled / CUDA graphs / int8 / "
                      "int4 vs llama.cpp; decode step time by batch size")
     p.add_argument("--configs", nargs="+", default=None,
-                   help="WEIGHTS[@fp32|@bf16][+compile][+graphs], WEIGHTS fp32, bf16, int8 or "
-                        "int4 (default: a CPU or a GPU set)")
+                   help="WEIGHTS[@fp32|@bf16][+compile][+graphs] or WEIGHTS[@fp32|@bf16]+engine, "
+                        "WEIGHTS fp32, bf16, int8 or int4 (default: a CPU or a GPU set)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated (default: 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs; median (default: 3)")

@@ -4,8 +4,9 @@ Part 1, batch-1 decode with every option the package has, against llama.cpp in t
 each *config* names the weights (``fp32``, ``bf16``, ``int8``, ``int4``: group-wise, g32),
 optionally the activation dtype of a quantized model (``int4@bf16``; default float32) and how
 the step runs: eager :func:`minillm.generate.generate`, ``+compile`` (a
-:class:`~minillm.runtime.StaticDecoder` under ``torch.compile``) or ``+graphs`` (its step
-captured as a CUDA graph; CUDA only; ``+compile+graphs`` both). Decode tokens/s =
+:class:`~minillm.runtime.StaticDecoder` under ``torch.compile``), ``+graphs`` (its step
+captured as a CUDA graph; CUDA only; ``+compile+graphs`` both) or ``+engine`` (the serving
+engine, :class:`~minillm.engine.LLMEngine`, one request: on the CPU its fused fast path). Decode tokens/s =
 (new_tokens - 1) / (generate time - prefill time), greedy, EOS ignored; one warm-up (which
 compiles), then the median of ``repeats`` rounds in which all configs take turns
 (:func:`~minillm.bench.common.median_times`). llama.cpp runs the GGUF file's Q4_1 weights.
@@ -29,6 +30,7 @@ from ..checkpoint.gguf import find_smollm2_gguf
 from ..checkpoint.loader import REAL_MODEL, load_model
 from ..config import SamplingParams
 from ..device import resolve_device, sync
+from ..engine import EngineConfig, LLMEngine
 from ..model.transformer import Transformer
 from ..quant.quantize import quantize_model
 from ..runtime import StaticDecoder, capture_sizes
@@ -50,7 +52,7 @@ from .decode import common_prefix
 WEIGHTS = ("fp32", "bf16", "int8", "int4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CPU_CONFIGS = ("fp32", "bf16", "fp32+compile", "bf16+compile", "int8", "int8+compile",
-               "int4", "int4+compile")
+               "int4", "int4+compile", "bf16+engine", "int8@bf16+engine", "int4@bf16+engine")
 GPU_CONFIGS = ("bf16", "bf16+compile", "bf16+graphs", "bf16+compile+graphs")
 
 
@@ -63,20 +65,23 @@ class Config:
     dtype: torch.dtype
     compile: bool
     graphs: bool
+    engine: bool = False
 
 
 def parse_config(name: str) -> Config:
-    """``WEIGHTS[@ACT][+compile][+graphs]`` -> Config (ValueError naming ``configs``)."""
+    """``WEIGHTS[@ACT][+compile][+graphs]`` or ``WEIGHTS[@ACT]+engine`` -> Config (ValueError
+    naming ``configs``)."""
     head, *flags = name.split("+")
     weights, _, act = head.partition("@")
-    bad = set(flags) - {"compile", "graphs"}
-    if weights not in WEIGHTS or bad or (act and act not in DTYPES):
+    bad = set(flags) - {"compile", "graphs", "engine"}
+    if weights not in WEIGHTS or bad or (act and act not in DTYPES) \
+            or ("engine" in flags and len(flags) > 1):
         raise ValueError(f"configs: {name!r} is not WEIGHTS[@fp32|@bf16][+compile][+graphs] "
-                         f"with WEIGHTS one of {list(WEIGHTS)}")
+                         f"or WEIGHTS[@fp32|@bf16]+engine with WEIGHTS one of {list(WEIGHTS)}")
     if act and weights in DTYPES:
         raise ValueError(f"configs: {name!r}: @dtype applies to int8/int4 weights only")
     dtype = DTYPES.get(weights) or DTYPES[act or "fp32"]
-    return Config(name, weights, dtype, "compile" in flags, "graphs" in flags)
+    return Config(name, weights, dtype, "compile" in flags, "graphs" in flags, "engine" in flags)
 
 
 def build_model(model_name: str, cfg: Config, device: torch.device,
@@ -104,6 +109,29 @@ def decoder_runner(model: Transformer, cfg: Config, prompt: list[int], new_token
     return runner, dec
 
 
+def engine_runner(model: Transformer, cfg: Config, prompt: list[int], new_tokens: int
+                  ) -> Runner:
+    """A Runner over :class:`~minillm.engine.LLMEngine` serving one request at a time: the
+    prefill is a request for one token, the generate one for ``new_tokens`` (greedy)."""
+    engine = LLMEngine(model, None, EngineConfig())
+    engine.warmup()
+    out: list[int] = []
+
+    def serve(max_tokens: int) -> list[int]:
+        rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                        ignore_eos=True))
+        done: list[int] = []
+        while engine.has_unfinished():
+            done += [t for o in engine.step() if o.request_id == rid and o.finished
+                     for t in o.token_ids]
+        return done
+
+    def run() -> None:
+        out[:] = serve(new_tokens)
+
+    return Runner(cfg.name, dtype_name(model.dtype), lambda: serve(1), run, out)
+
+
 @dataclass
 class RuntimeResult:
     config: str
@@ -126,7 +154,9 @@ def batch_1(model_name: str, configs: Sequence[Config], prompt: list[int], new_t
     for cfg in configs:
         say(f"building {cfg.name} ...")
         model = build_model(model_name, cfg, dev, random_weights)
-        if cfg.compile or cfg.graphs:
+        if cfg.engine:
+            runner, dec = engine_runner(model, cfg, prompt, new_tokens), None
+        elif cfg.compile or cfg.graphs:
             runner, dec = decoder_runner(model, cfg, prompt, new_tokens)
         else:
             runner, dec = minillm_runner(model, prompt, new_tokens), None

@@ -27,7 +27,7 @@ every other case, take the eager path). ``python benchmarks/cpu_forward_bench.py
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from ..cache.pool import PagedBatch
 from ..model.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
 from ..model.packed import PackedGroup, PackedLinear, can_pack_linears
 from ..model.transformer import Block, Transformer
+from ..quant.linear import QuantGroup
 
 
 def _kernels():
@@ -54,8 +55,7 @@ def supports(model: Transformer) -> bool:
     repeats it only when the model changed)."""
     fused, attention = _kernels()
     if model.device.type != "cpu" or model.dtype not in \
-            fused.DTYPES or not (fused.available() and attention.available()) \
-            or not can_pack_linears(model.device, model.dtype):
+            fused.DTYPES or not (fused.available() and attention.available()):
         return False
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks \
             or any(_hooked(m) for m in model.modules()):
@@ -64,17 +64,25 @@ def supports(model: Transformer) -> bool:
 
 
 def _plain_layer(b: nn.Module, model: Transformer) -> bool:
-    """A Llama layer as :mod:`minillm.model` builds it, with bias-free linears of the model's
-    dtype (plain or packed) whose weights have version counters (not inference tensors)."""
+    """A Llama layer as :mod:`minillm.model` builds it, whose matmuls are each bias-free linears
+    of the model's dtype (plain or packed, oneDNN packs that dtype here, weights with version
+    counters: not inference tensors) or quantized linears the integer kernels run
+    (:class:`~minillm.quant.linear.QuantGroup`)."""
     cfg = model.cfg
     if not (type(b) is Block and type(b.attn) is Attention and type(b.ffn) is SwiGLU
             and type(b.attn_norm) is RMSNorm and type(b.ffn_norm) is RMSNorm
             and not hasattr(b.attn, "q_norm") and b.attn.n_heads == cfg.n_heads
             and b.attn.n_kv_heads == cfg.n_kv_heads):
         return False
-    return all(type(lin) in (nn.Linear, PackedLinear) and lin.bias is None
-               and lin.weight.dtype == model.dtype and not lin.weight.is_inference()
-               for part, names in LINEARS for lin in _linears(getattr(b, part), names))
+    return all(_plain_linears(lins, model) or QuantGroup.supports(lins)
+               for lins in (_linears(getattr(b, part), names) for part, names in LINEARS))
+
+
+def _plain_linears(linears: list[nn.Module], model: Transformer) -> bool:
+    return can_pack_linears(model.device, model.dtype) and all(
+        type(lin) in (nn.Linear, PackedLinear) and lin.bias is None
+        and lin.weight.dtype == model.dtype and not lin.weight.is_inference()
+        for lin in linears)
 
 
 def _linears(module: nn.Module, names: tuple[str, ...]) -> list[nn.Linear]:
@@ -89,6 +97,17 @@ def _packed(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
         lin = linears[0]
         return (lin if isinstance(lin, PackedLinear) else PackedLinear(lin)).packed_weight()
     return (module.input_group or PackedGroup(module, *names)).packed_weight(linears)
+
+
+def _matmul_of(module: nn.Module, names: tuple[str, ...]) -> Callable[[torch.Tensor],
+                                                                       torch.Tensor]:
+    """x [N, K] -> [N, sum of out_features]: ``module``'s linears ``names`` as one matmul
+    (oneDNN's on their packed weight, or the integer kernels' for quantized linears)."""
+    linears = _linears(module, names)
+    if QuantGroup.supports(linears):
+        return QuantGroup(linears)
+    packed = _packed(module, names)
+    return lambda x: _matmul(x, packed)
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -112,7 +131,7 @@ class CpuForward:
         self.model = model
         self._seen: tuple | None = None
         self.supported = False
-        self.weights: list[tuple[torch.Tensor, ...]] = []
+        self.matmuls: list[tuple[Callable[[torch.Tensor], torch.Tensor], ...]] = []
 
     def _unchanged(self) -> bool:
         """No global hook, and every module's children, hooks and weight versions as when
@@ -129,7 +148,7 @@ class CpuForward:
         if self._unchanged():
             return self.supported
         self.supported = supports(self.model)
-        self.weights = [tuple(_packed(getattr(b, part), names) for part, names in LINEARS)
+        self.matmuls = [tuple(_matmul_of(getattr(b, part), names) for part, names in LINEARS)
                         for b in self.model.layers] if self.supported else []
         modules = list(self.model.modules())
         self._seen = ([(m._modules, k, c) for m in modules for k, c in m._modules.items()],
@@ -155,18 +174,17 @@ class CpuForward:
             return fused.add_rms_norm_into(x, delta, rms.weight, rms.eps, torch.empty_like(x))
 
         delta, kept = None, {}
-        for i, (layer, (w_qkv, w_o, w_gu, w_d)) in enumerate(zip(model.layers, self.weights)):
-            q, k, v = _matmul(norm(delta, layer.attn_norm), w_qkv).split(
+        for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(model.layers, self.matmuls)):
+            q, k, v = qkv(norm(delta, layer.attn_norm)).split(
                 [hq * hd, hkv * hd, hkv * hd], dim=1)                # views of one [N, .]
             q_rot = fused.rope_store_into(q, k, v, cos, sin, pool.k[i], pool.v[i],
                                           meta.slot_mapping, torch.empty(n, hq, hd, dtype=dt))
             out = torch.empty_like(q_rot)
             attention.attend_in_place(q_rot, pool.k[i], pool.v[i], meta.block_tables,
                                       meta.seq_lens, meta.cu_seqlens_q, meta.direct, out)
-            delta = _matmul(out.view(n, -1), w_o)
-            gate, up = _matmul(norm(delta, layer.ffn_norm), w_gu).chunk(2, dim=1)
-            delta = _matmul(fused.silu_mul_into(gate, up, torch.empty(n, gate.shape[1], dtype=dt)),
-                            w_d)
+            delta = o(out.view(n, -1))
+            gate, up = gate_up(norm(delta, layer.ffn_norm)).chunk(2, dim=1)
+            delta = down(fused.silu_mul_into(gate, up, torch.empty(n, gate.shape[1], dtype=dt)))
             if i in keep:
                 x.add_(delta)
                 delta, kept[i] = None, x.clone()

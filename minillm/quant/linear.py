@@ -5,7 +5,11 @@ set by bytes moved, not by arithmetic. An int8 weight moves half the bytes of bf
 weight a quarter (plus its group scales). The layers here keep the weight packed and call a
 kernel that dequantizes on the fly:
 
-* CPU: PyTorch's packed weight-only ops, ``aten._weight_int8pack_mm`` (int8 per channel) and
+* CPU, up to :data:`KERNEL_ROWS` rows (a decode step): minillm's integer kernels
+  (:mod:`minillm.kernels.cpu_quant_matmul`), which quantize the activations to int8 in blocks
+  of 32 as llama.cpp does and multiply integers (AVX-VNNI where the CPU has it). Under
+  ``torch.compile`` they are the custom ops ``minillm::int8_matmul`` / ``minillm::int4_matmul``.
+* CPU, more rows (a prefill), or where the kernels did not build: PyTorch's packed weight-only ops, ``aten._weight_int8pack_mm`` (int8 per channel) and
   ``aten._weight_int4pack_mm_for_cpu`` (int4 groups, weight repacked by
   ``aten._convert_weight_to_int4pack_for_cpu``). They take bf16 activations (their fp32 path is
   a slow fallback), so activations are cast to bf16 around the op.
@@ -22,9 +26,56 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_quant_matmul
 from .formats import check_int4, dequantize_int4, dequantize_int8, pack_int4, quantize_int8
 
 OP_DTYPE = torch.bfloat16  # what the CPU packed ops compute in
+#: up to this many rows the integer kernels beat PyTorch's weight-only ops (a decode step; at
+#: 16 rows and more, a prefill, PyTorch's are as fast or faster: benchmarks/quant_matmul_bench.py)
+KERNEL_ROWS = 8
+
+
+def _int_kernels():
+    """minillm.kernels.cpu_quant_matmul where it built here, else None."""
+    return cpu_quant_matmul if cpu_quant_matmul.available() else None
+
+
+def _use_int_kernel(h: torch.Tensor) -> bool:
+    """A CPU input h [M, K] of a few float32/bfloat16 rows, K a multiple of the kernels' block
+    of 32, and kernels that built here."""
+    return h.device.type == "cpu" and h.shape[0] <= KERNEL_ROWS and h.shape[-1] % 32 == 0 \
+        and h.dtype in (torch.float32, torch.bfloat16) and _int_kernels() is not None
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (rows contiguous) @ (scale[:, None] * q)^T -> [M, N] in x's dtype."""
+    out = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype)
+    return _int_kernels().int8_matmul_into(x, q, scale, out)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                mn: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W^T for the int4 operands of ``cpu_quant_matmul.pack_int4`` -> [M, N]."""
+    out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
+    return _int_kernels().int4_matmul_into(x, packed, scale, mn, out)
+
+
+# the same two as custom ops, opaque nodes of a torch.compile graph (eager calls skip the
+# dispatcher: it would add ~10 us a call)
+int8_matmul_op = torch.library.custom_op("minillm::int8_matmul", int8_matmul, mutates_args=())
+int4_matmul_op = torch.library.custom_op("minillm::int4_matmul", int4_matmul, mutates_args=())
+int8_matmul_op.register_fake(lambda x, q, scale: x.new_empty(x.shape[0], q.shape[0]))
+int4_matmul_op.register_fake(lambda x, packed, scale, mn: x.new_empty(x.shape[0],
+                                                                        packed.shape[0]))
+
+
+def _int_matmul(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    """The int8 (q, scale) or int4 (packed, scale, mn) kernel on x [M, K]."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    int8 = len(weights) == 2
+    if torch.compiler.is_compiling():
+        return (int8_matmul_op if int8 else int4_matmul_op)(x, *weights)
+    return (int8_matmul if int8 else int4_matmul)(x, *weights)
 
 
 def has_cpu_int8_op() -> bool:
@@ -70,10 +121,13 @@ class Int8Linear(nn.Module):
         shape = (*x.shape[:-1], self.out_features)
         if _needs_grad(x):
             return F.linear(x, self.dequantize().to(x.dtype))
-        if x.device.type == "cpu" and has_cpu_int8_op():
-            y = torch.ops.aten._weight_int8pack_mm(_flat(x).to(OP_DTYPE), self.q, self.scale_op)
+        h = _flat(x)
+        if _use_int_kernel(h):
+            y = _int_matmul(h, self.q, self.scale)
+        elif h.device.type == "cpu" and has_cpu_int8_op():
+            y = torch.ops.aten._weight_int8pack_mm(h.to(OP_DTYPE), self.q, self.scale_op)
         else:
-            y = F.linear(_flat(x), self.q.to(x.dtype)) * self.scale.to(x.dtype)
+            y = F.linear(h, self.q.to(h.dtype)) * self.scale.to(h.dtype)
         return y.to(x.dtype).reshape(shape)
 
     def extra_repr(self) -> str:
@@ -98,6 +152,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("mn", mn.float().contiguous())
         self.register_buffer("in_scale", None if in_scale is None else in_scale.float())
         self._cpu_packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._kernel_packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def codes(self) -> torch.Tensor:
         return torch.stack([self.packed & 0x0F, self.packed >> 4], -1).reshape(
@@ -118,8 +173,15 @@ class Int4Linear(nn.Module):
             self._cpu_packed = (packed, sz)
         return self._cpu_packed
 
+    def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """minillm's integer kernel's (packed, scale, mn) per block of 32, built once."""
+        if self._kernel_packed is None:
+            self._kernel_packed = _int_kernels().pack_int4(self.codes(), self.scale, self.mn,
+                                                           self.group_size)
+        return self._kernel_packed
+
     def _apply(self, fn, recurse=True):  # .to() / .cpu() / .cuda(): rebuild the op's packing
-        self._cpu_packed = None
+        self._cpu_packed = self._kernel_packed = None
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +191,9 @@ class Int4Linear(nn.Module):
         h = _flat(x)
         if self.in_scale is not None:
             h = h * self.in_scale.to(h.dtype)
-        if h.device.type == "cpu" and has_cpu_int4_op():
+        if _use_int_kernel(h):
+            y = _int_matmul(h, *self.kernel_operands())
+        elif h.device.type == "cpu" and has_cpu_int4_op():
             packed, sz = self._cpu_operands()
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(h.to(OP_DTYPE).contiguous(), packed,
                                                            self.group_size, sz)
@@ -168,3 +232,40 @@ class DequantizedLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", decoded from {self.fmt}"
+
+
+class QuantGroup:
+    """Quantized linears that read the same input (attention's q, k, v; the FFN's gate and up),
+    or a single one, as one call: x [M, K] -> [M, sum of out_features], their outputs side by
+    side (what the engine's CPU fast path, :mod:`minillm.engine.cpu_forward`, calls). Up to
+    :data:`KERNEL_ROWS` rows it is one integer-kernel call over the linears' operands
+    concatenated by output rows (a copy, built once: the weights' int8 or int4 bytes twice in
+    memory); more rows run each linear's own forward. All int8, or all int4 without AWQ's
+    in_scale (:meth:`supports`)."""
+
+    def __init__(self, linears: list[nn.Module]) -> None:
+        if not self.supports(linears):
+            raise ValueError("linears must be all Int8Linear or all Int4Linear without "
+                             "in_scale, with in_features a multiple of 32")
+        self.linears = linears
+        ops = [(lin.q, lin.scale) if isinstance(lin, Int8Linear) else lin.kernel_operands()
+               for lin in linears]
+        self.weight = cpu_quant_matmul.BoundWeight(
+            *(ops[0] if len(ops) == 1 else (torch.cat(p) for p in zip(*ops))))
+
+    @staticmethod
+    def supports(linears: list[nn.Module]) -> bool:
+        kinds = {type(lin) for lin in linears}
+        return len(kinds) == 1 and kinds <= {Int8Linear, Int4Linear} \
+            and len({lin.in_features for lin in linears}) == 1 \
+            and linears[0].in_features % 32 == 0 \
+            and all(getattr(lin, "in_scale", None) is None for lin in linears) \
+            and all(lin.q.device.type == "cpu" if isinstance(lin, Int8Linear)
+                    else lin.packed.device.type == "cpu" for lin in linears)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= KERNEL_ROWS and x.dtype in cpu_quant_matmul.DTYPES \
+                and x.stride(-1) == 1 and cpu_quant_matmul.available():
+            return self.weight(x)
+        ys = [lin(x) for lin in self.linears]
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)

@@ -1,0 +1,178 @@
+"""The CPU integer matmuls (``minillm.kernels.cpu_quant_matmul``) against float64, in every
+instruction-set path this machine can build (AVX-512 VNNI, AVX2, plain C++), and the quantized
+linears and the engine's fast path that use them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillm.kernels import cpu_build
+from minillm.kernels import cpu_quant_matmul as qmm
+from minillm.quant import Int4Linear, Int8Linear, quantize_model
+from minillm.quant.formats import dequantize_int4, quantize_int4, quantize_int8
+from minillm.quant.linear import KERNEL_ROWS, QuantGroup
+
+pytestmark = pytest.mark.skipif(not qmm.available(), reason="the CPU kernels did not build")
+
+# the same source built for narrower instruction sets (later -m flags override -march=native)
+VARIANTS = {"native": qmm.LIBRARY,
+            "avx2": cpu_build.Library("quant_matmul_avx2", qmm.SOURCE, qmm.LIBRARY.signatures,
+                                      ("-mno-avx512f", "-mno-avxvnni")),
+            "plain": cpu_build.Library("quant_matmul_plain", qmm.SOURCE, qmm.LIBRARY.signatures,
+                                       ("-mno-avx2",))}
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request, monkeypatch):
+    library = VARIANTS[request.param]
+    if library.get() is None:
+        pytest.skip(f"{request.param} build failed: {library.reason()}")
+    monkeypatch.setattr(qmm, "LIBRARY", library)
+    return request.param
+
+
+def weights(kind: str, n: int, k: int, group_size: int = 32, seed: int = 1):
+    """(kernel operands, dequantized float32 weight [n, k]) of a random int8 or int4 weight."""
+    w = randn(n, k, seed=seed) * 0.05
+    if kind == "int8":
+        q, scale = quantize_int8(w)
+        return (q, scale), q.float() * scale[:, None]
+    codes, scale, mn = quantize_int4(w, group_size)
+    return qmm.pack_int4(codes, scale, mn, group_size), dequantize_int4(codes, scale, mn,
+                                                                         group_size)
+
+
+def matmul(kind, x, operands):
+    return (qmm.int8_matmul if kind == "int8" else qmm.int4_matmul)(x, *operands)
+
+
+# rows cover every tile remainder; K one block, an odd count of blocks, chunks of 16 and a tail
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 32), (2, 17, 96), (3, 64, 576), (4, 33, 1120),
+                                   (5, 8, 512), (9, 24, 1536)])
+def test_kernel_equals_float64_on_the_quantized_input(variant, kind, m, n, k):
+    operands, w = weights(kind, n, k)
+    x = randn(m, k, seed=2) * 3
+    y = matmul(kind, x, operands)
+    want = qmm.reference_matmul(x, w)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), want, rtol=0, atol=2e-6 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_group_sizes_and_bfloat16(group_size):
+    operands, w = weights("int4", 48, 256, group_size)
+    x = randn(3, 256, seed=3).bfloat16()
+    y = qmm.int4_matmul(x, *operands)
+    want = qmm.reference_matmul(x, w)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), want, rtol=2 ** -8, atol=1e-6)
+
+
+def test_activation_rounding_is_within_half_a_step_of_each_block_max():
+    x = randn(4, 256, seed=4) * torch.linspace(0.01, 10, 256)
+    codes, d = qmm.quantize_activations(x)
+    assert codes.abs().max() <= 127 and torch.equal(codes, codes.round())
+    err = (codes * d[..., None] - x.reshape(4, -1, 32)).abs()
+    assert (err <= d[..., None] / 2 * (1 + 1e-6)).all()
+    w = randn(24, 256, seed=5)        # so the kernel stays near the unquantized product
+    rel = (qmm.reference_matmul(x, w) - x.double() @ w.double().t()).norm() \
+        / (x.double() @ w.double().t()).norm()
+    assert rel < 1e-2
+
+
+def test_a_wrong_answer_is_caught():
+    """Dropping int4's minimum term (a plausible bug) is far outside the tolerance."""
+    codes, scale, mn = quantize_int4(randn(16, 64, seed=6) + 0.5, 32)
+    packed, bs, bm = qmm.pack_int4(codes, scale, mn, 32)
+    x = randn(2, 64, seed=7)
+    good = qmm.int4_matmul(x, packed, bs, bm)
+    bad = qmm.int4_matmul(x, packed, bs, torch.zeros_like(bm))
+    want = qmm.reference_matmul(x, dequantize_int4(codes, scale, mn, 32))
+    assert (good.double() - want).abs().max() < 1e-4 < (bad.double() - want).abs().max()
+
+
+def test_pack_int4_round_trip_and_layout():
+    codes = torch.arange(64).remainder(16).reshape(1, 64)
+    packed, _, _ = qmm.pack_int4(codes, torch.ones(1, 2), torch.zeros(1, 2), 32)
+    assert packed[0, 0].item() == 0 | (16 % 16) << 4 and packed[0, 1].item() == 1 | (1 << 4)
+    assert torch.equal(qmm.unpack_int4(packed), codes.to(torch.uint8))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: qmm.int8_matmul(torch.ones(1, 40), torch.ones(4, 40, dtype=torch.int8),
+                             torch.ones(4)), "in_features must be a positive multiple of 32"),
+    (lambda: qmm.int8_matmul(torch.ones(1, 64), torch.ones(4, 32, dtype=torch.int8),
+                             torch.ones(4)), "x must be"),
+    (lambda: qmm.int8_matmul(torch.ones(1, 32, dtype=torch.float64),
+                             torch.ones(4, 32, dtype=torch.int8), torch.ones(4)), "x must be"),
+    (lambda: qmm.int8_matmul(torch.ones(1, 32), torch.ones(4, 32, dtype=torch.int8),
+                             torch.ones(3)), "scale must be"),
+    (lambda: qmm.int4_matmul(torch.ones(1, 64), torch.ones(4, 32, dtype=torch.uint8),
+                             torch.ones(4, 1), torch.ones(4, 2)), "scale must be"),
+    (lambda: qmm.pack_int4(torch.ones(4, 64), torch.ones(4, 2), torch.ones(4, 2), 48),
+     "group_size must be"),
+])
+def test_bad_input_names_the_parameter(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ---------------------------------------------------------------- the layers that call them
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_linears_use_the_kernel_for_a_few_rows_and_torch_for_more(kind):
+    w = randn(96, 128, seed=8) * 0.05
+    lin = Int8Linear(*quantize_int8(w)) if kind == "int8" else Int4Linear(*quantize_int4(w, 32),
+                                                                          32)
+    few, many = randn(KERNEL_ROWS, 128, seed=9), randn(KERNEL_ROWS + 8, 128, seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(few).double(), qmm.reference_matmul(few, lin.dequantize()),
+                                   rtol=0, atol=1e-5)
+        exact = many.double() @ lin.dequantize().double().t()   # PyTorch's op: bf16 input
+        assert ((lin(many).double() - exact).norm() / exact.norm()) < 1e-2
+        group = QuantGroup([lin, lin])
+        torch.testing.assert_close(group(few), torch.cat([lin(few)] * 2, 1))
+        torch.testing.assert_close(group(many), torch.cat([lin(many)] * 2, 1))
+
+
+@pytest.mark.slow
+def test_compiled_step_uses_the_custom_op_and_equals_eager():
+    lin = Int4Linear(*quantize_int4(randn(64, 96, seed=10) * 0.05, 32), 32)
+    x = randn(2, 96, seed=11)
+    with torch.no_grad():
+        compiled = torch.compile(lin, fullgraph=True)
+        torch.testing.assert_close(compiled(x), lin(x))
+
+
+def test_engine_fast_path_runs_quantized_weights_as_eager_does(monkeypatch):
+    """The tiny preset quantized to int8 (fp32): the fast path calls the integer kernels and
+    generates the eager path's greedy tokens."""
+    import minillm
+    from minillm.engine import EngineConfig, LLMEngine, cpu_forward
+    from minillm.sampling import SamplingParams
+
+    model, tok = minillm.load_model("tiny", dtype=torch.float32)
+    quantize_model(model, "int8")
+    calls = []
+    real = qmm._call
+    monkeypatch.setattr(qmm, "_call", lambda name, *a: calls.append(name) or real(name, *a))
+
+    def greedy(fuse: bool):
+        engine = LLMEngine(model, tok, EngineConfig(attention_backend="cpu"))
+        engine.runner.fuse_ops = fuse
+        assert cpu_forward.supports(model)
+        rid = engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                ignore_eos=True))
+        out = {}
+        while engine.has_unfinished():
+            out.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        return out[rid]
+
+    eager = greedy(False)
+    calls.clear()
+    assert greedy(True) == eager and calls.count("int8_matmul") > 8
