@@ -15,15 +15,20 @@ arithmetic for minillm's formats (:mod:`minillm.quant.formats`):
 
 The integer dot products are exact; the rounding of x to 8 bits per block is the only
 approximation beyond the weights' own (relative error about 1/254 of a block's largest value).
-Rows of the output (weight rows) are shared by OpenMP threads; a tile of up to four activation
-rows uses each unpacked weight block four times. Without AVX-VNNI, AVX2's ``vpmaddubsw`` +
-``vpmaddwd`` compute the same dot products; on other CPUs plain loops do.
 
-int4 weights are repacked once (:func:`pack_int4`): a block of 32 codes is 16 bytes, byte i
-holding code i in its low nibble and code i + 16 in its high one (llama.cpp's Q4 order), so two
-masks and a shift spread a block over one 256-bit register. Compiled by :mod:`.cpu_build`;
-:func:`quantize_activations` and :func:`reference_matmul` are the plain-torch statement of what
-the C++ computes (``tests/test_cpu_quant_matmul.py`` holds one to the other).
+The weights are laid out once (:func:`pack_int8`, :func:`pack_int4`) so that a 512-bit register
+holds one piece of sixteen blocks side by side: 4 bytes of each block in its own 32-bit lane.
+Eight integer multiply-adds then leave sixteen blocks' dot products in sixteen lanes, which
+one multiply by the blocks' scales finishes, with no horizontal sums and no shuffles (the
+activations are written in the same layout as they are quantized). An int4 byte holds a code
+of the first four of those eight pieces in its low nibble and one of the last four in its high
+nibble, so a mask and a shift unpack 128 codes. Rows of the output (weight rows) are shared by
+OpenMP threads; a tile of up to four activation rows uses each unpacked weight vector four
+times. With AVX2 only, 256-bit registers do half a chunk at a time, and without AVX-VNNI
+``vpmaddubsw`` + ``vpmaddwd`` compute the same dot products; on other CPUs plain loops do.
+Compiled by :mod:`.cpu_build`; :func:`quantize_activations` and :func:`reference_matmul` are the
+plain-torch statement of what the C++ computes (``tests/test_cpu_quant_matmul.py`` holds one
+to the other, in every instruction-set path this machine can build).
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from torch.profiler import record_function
 from .cpu_build import SCALARS, Library
 
 BLOCK = 32          # activation values sharing one scale; a multiple of it divides K
+CHUNK = 16          # blocks whose dot products one 512-bit register holds side by side
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 SOURCE = SCALARS + r"""
@@ -42,14 +48,28 @@ SOURCE = SCALARS + r"""
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define WIDE 1                                    // 512-bit registers: 16 blocks at a time
+#endif
 
-static const int QK = 32;
+static const int QK = 32, CHUNK = 16;
 static const int TILE = 4;                        // activation rows per pass over a weight row
 static const int64_t PARALLEL_MACS = 1 << 16;     // below this one thread is faster
 
-// x [m, k] (row stride ldx) -> qx [m, k] int8, d [m, k/32] (block scales), ds [m, k/32]
-// (d * sum of the block's codes): q = round(x * (1 / d)) with d = max|x| / 127, as
-// quantize_activations in Python computes it.
+// The layout (weights, and the quantized activations): a row's blocks of 32 go in chunks of
+// CHUNK blocks (fewer in the last one); a chunk of c blocks is 8 vectors of c lanes of 4 bytes,
+// vector t lane l holding elements 4t..4t+3 of the chunk's block l. So an integer multiply-add
+// of vector t adds into lane l a part of block l's dot product only, and after the 8 vectors
+// the lanes hold the c blocks' dot products, ready for their scales: no horizontal sums.
+// Offset of element e of block b in a row of nb blocks:
+static inline int64_t lay(int64_t b, int64_t e, int64_t nb) {
+    const int64_t b0 = b / CHUNK * CHUNK, c = nb - b0 < CHUNK ? nb - b0 : CHUNK;
+    return b0 * QK + (e / 4) * c * 4 + (b - b0) * 4 + e % 4;
+}
+
+// x [m, k] (row stride ldx) -> qx [m, k] int8 in the layout, d [m, k/32] (block scales),
+// ds [m, k/32] (d * sum of the block's codes): q = round(x * (1 / d)) with d = max|x| / 127,
+// as quantize_activations in Python computes it.
 template <typename T>
 static void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int8_t* qx, float* d,
                           float* ds) {
@@ -61,29 +81,32 @@ static void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int8_t*
             for (int i = 0; i < QK; ++i) { v[i] = widen(xb[i]); amax = std::fmax(amax, std::fabs(v[i])); }
             const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
             int sum = 0;
-            int8_t* qb = qx + r * k + b * QK;
+            int8_t q[QK];
             for (int i = 0; i < QK; ++i) {
-                float q = std::nearbyint(v[i] * id);
-                q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-                qb[i] = (int8_t)q; sum += (int)q;
+                float e = std::nearbyint(v[i] * id);
+                e = e > 127.0f ? 127.0f : (e < -127.0f ? -127.0f : e);
+                q[i] = (int8_t)e; sum += (int)e;
             }
+            const int64_t b0 = b / CHUNK * CHUNK, vec = 4 * (nb - b0 < CHUNK ? nb - b0 : CHUNK);
+            int8_t* out = qx + r * k + lay(b, 0, nb);      // element 4t + j at t * vec + j
+            for (int t = 0; t < 8; ++t) std::memcpy(out + t * vec, q + 4 * t, 4);
             d[r * nb + b] = db; ds[r * nb + b] = db * (float)sum;
         }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define WIDE 1      // 512-bit registers: two blocks of 32 per instruction
+#if defined(WIDE)
+// int32 lanes += 4-byte dot products of u (unsigned) and s (signed)
+static inline __m512i madd(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
 #endif
-
 #if defined(__AVX2__)
-// eight int32 sums of four products each: u (unsigned bytes) . s (signed bytes)
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+static inline __m256i madd(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else   // pairs summed in int16 (at most 2 * 127 * 127 here: no saturation), then fours
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
 #endif
 }
 static inline float hsum(__m256 v) {
@@ -92,127 +115,156 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-// one block's 16 packed bytes -> its 32 codes in order
-static inline __m256i codes32(const uint8_t* w) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i*)w), low = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low),
-                            _mm_and_si128(bytes, low));
-}
 #endif
 
-// int32 dot product of one block: codes (unsigned, 0..15, packed) or int8 weights . q
-static inline int block_dot_int4(const uint8_t* w, const int8_t* q) {
 #if defined(__AVX2__)
-    const __m256i p = dot_u8s8(codes32(w), _mm256_loadu_si256((const __m256i*)q));
-    return (int)hsum(_mm256_cvtepi32_ps(p));             // (|sum| < 2^24: exact in float)
-#else
-    int dot = 0;
-    for (int i = 0; i < QK / 2; ++i) dot += (w[i] & 15) * q[i] + (w[i] >> 4) * q[i + QK / 2];
-    return dot;
-#endif
+// Lanes h..h+7 (those below c) of the chunk of c blocks at block b0, 256 bits at a time: adds
+// f_b * dot_b (+ mn_b * ds_b) of each activation row r into the eight floats of acc[r].
+template <int R, bool INT4>
+static inline void lanes8(const uint8_t* wc, const float* sc, const float* mn,
+                          const int8_t* qx, const float* d, const float* ds, int64_t k,
+                          int64_t b0, int64_t c, int64_t h, __m256* acc) {
+    const int64_t nb = k / QK, vec = 4 * c, n = c - h < 8 ? c - h : 8;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    auto load = [&](const void* p) { return _mm256_maskload_epi32((const int*)p + h, m); };
+    __m256i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {
+        const __m256i v = load(wc + (INT4 ? t % 4 : t) * vec);
+        const __m256i u = !INT4 ? _mm256_sign_epi8(v, v)                 // |w|, sign onto q
+                          : t < 4 ? _mm256_and_si256(v, low)
+                                  : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+            const __m256i a = load(qx + r * k + b0 * QK + t * vec);
+            dot[r] = madd(dot[r], u, INT4 ? a : _mm256_sign_epi8(a, v));
+        }
+    }
+    const __m256 s = INT4 ? _mm256_maskload_ps(sc + b0 + h, m) : _mm256_set1_ps(1.0f);
+    for (int r = 0; r < R; ++r) {
+        const __m256 f = _mm256_mul_ps(s, _mm256_maskload_ps(d + r * nb + b0 + h, m));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), f, acc[r]);
+        if (INT4) acc[r] = _mm256_fmadd_ps(_mm256_maskload_ps(mn + b0 + h, m),
+                                           _mm256_maskload_ps(ds + r * nb + b0 + h, m), acc[r]);
+    }
 }
-static inline int block_dot_int8(const int8_t* w, const int8_t* q) {
-#if defined(__AVX2__)
-    const __m256i wb = _mm256_loadu_si256((const __m256i*)w);
-    const __m256i p = dot_u8s8(_mm256_sign_epi8(wb, wb),     // |w|, w's sign moved to q
-                               _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)q), wb));
-    return (int)hsum(_mm256_cvtepi32_ps(p));
-#else
-    int dot = 0;
-    for (int i = 0; i < QK; ++i) dot += w[i] * q[i];
-    return dot;
 #endif
-}
 
 #if defined(WIDE)
-// the 16-lane index that spreads lanes p and p + 1 of a vector over eight lanes each
-static inline __m512i pair_index(int64_t p) {
-    return _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-                            _mm512_set1_epi32((int)p));
+// The chunk of c (9..16) blocks at b0 in 512-bit registers, into the 16 floats of acc[r].
+template <int R, bool INT4>
+static inline void lanes16(const uint8_t* wc, const float* sc, const float* mn,
+                           const int8_t* qx, const float* d, const float* ds, int64_t k,
+                           int64_t b0, int64_t c, __m512* acc) {
+    const int64_t nb = k / QK, vec = 4 * c;
+    const __mmask64 bytes = c == CHUNK ? ~0ULL : (1ULL << vec) - 1;
+    const __mmask16 lanes = (__mmask16)((1u << c) - 1u);
+    const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = zero;
+    if (INT4) {
+        for (int u = 0; u < 4; ++u) {                      // vector u: codes of t = u, u + 4
+            const __m512i v = _mm512_maskz_loadu_epi8(bytes, wc + u * vec);
+            const __m512i lo = _mm512_and_si512(v, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int r = 0; r < R; ++r) {
+                const int8_t* a = qx + r * k + b0 * QK;
+                dot[r] = madd(dot[r], lo, _mm512_maskz_loadu_epi8(bytes, a + u * vec));
+                dot[r] = madd(dot[r], hi, _mm512_maskz_loadu_epi8(bytes, a + (u + 4) * vec));
+            }
+        }
+    } else {
+        for (int t = 0; t < 8; ++t) {                      // |w|, and w's sign moved onto q
+            const __m512i v = _mm512_maskz_loadu_epi8(bytes, wc + t * vec);
+            const __m512i u = _mm512_abs_epi8(v);
+            const __mmask64 neg = _mm512_movepi8_mask(v);
+            for (int r = 0; r < R; ++r) {
+                const __m512i a = _mm512_maskz_loadu_epi8(bytes, qx + r * k + b0 * QK + t * vec);
+                dot[r] = madd(dot[r], u, _mm512_mask_sub_epi8(a, neg, zero, a));
+            }
+        }
+    }
+    const __m512 s = INT4 ? _mm512_maskz_loadu_ps(lanes, sc + b0) : _mm512_set1_ps(1.0f);
+    for (int r = 0; r < R; ++r) {
+        const __m512 f = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(lanes, d + r * nb + b0));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), f, acc[r]);
+        if (INT4) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, mn + b0),
+                                           _mm512_maskz_loadu_ps(lanes, ds + r * nb + b0),
+                                           acc[r]);
+    }
 }
-static inline __mmask16 first(int64_t n) { return (__mmask16)((1u << n) - 1u); }
 #endif
 
-// One weight row against R activation rows, out[r] = sum_b f_b(r) * dot_b(r) (+ the int4
-// minimum term): INT4 selects packed codes with per-block scale sc and minimum mn [nb], else
-// int8 weights (sc, mn unused: the channel scale is applied by the caller).
+// One weight row against R activation rows (qx, d, ds: the rows' quantized values, block
+// scales and scaled code sums): out[r] = sum_b f_b * dot_b (+ sum_b mn_b * ds_b for int4),
+// f_b = sc_b * d_b for INT4 (packed codes, per-block scale sc and minimum mn), d_b for int8
+// (signed weights; the channel scale is applied by the caller). A chunk of up to 8 blocks
+// goes through 256-bit registers even where 512-bit ones exist (which some CPUs, AMD's Zen 4,
+// run at half the rate: a short chunk would pay for 16 lanes).
 template <int R, bool INT4>
 static inline void weight_row(const uint8_t* w, const float* sc, const float* mn,
                               const int8_t* qx, const float* d, const float* ds, int64_t k,
                               float* out) {
-    const int64_t nb = k / QK, bytes = INT4 ? QK / 2 : QK;
-    float tail[R] = {0};
-    int64_t b0 = 0;
+    const int64_t nb = k / QK, chunk_bytes = INT4 ? QK / 2 : QK;
+#if defined(__AVX2__)
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
 #if defined(WIDE)
-    __m512 acc[R], macc[R];                                // dot and minimum terms
-    for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-    for (; b0 + 2 <= nb; b0 += 16) {                       // chunks of 16 blocks, pairs inside
-        const int64_t pairs = (nb - b0 < 16 ? nb - b0 : 16) / 2;
-        const __mmask16 mask = first(2 * pairs);
-        __m512 f[R];                                       // per-block factors of each row
-        const __m512 s = INT4 ? _mm512_maskz_loadu_ps(mask, sc + b0) : _mm512_set1_ps(1.0f);
-        for (int r = 0; r < R; ++r) {
-            f[r] = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(mask, d + r * nb + b0));
-            if (INT4) macc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, mn + b0),
-                                                _mm512_maskz_loadu_ps(mask, ds + r * nb + b0),
-                                                macc[r]);
-        }
-        for (int64_t p = 0; p < 2 * pairs; p += 2) {
-            const uint8_t* wp = w + (b0 + p) * bytes;
-            __m512i u; __mmask64 neg = 0;
-            if (INT4) {        // 128-bit lanes [block p low nibbles, high, block p+1 low, high]
-                const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)wp));
-                const __m512i lanes = _mm512_shuffle_i64x2(both, both, 0x50);
-                u = _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, lanes,
-                                                             _mm512_srli_epi16(lanes, 4)), low);
-            } else {           // |w|, and w's sign moved onto q below
-                const __m512i wv = _mm512_loadu_si512(wp);
-                u = _mm512_abs_epi8(wv);
-                neg = _mm512_movepi8_mask(wv);
-            }
-            const __m512i idx = pair_index(p);
-            for (int r = 0; r < R; ++r) {
-                __m512i a = _mm512_loadu_si512(qx + r * k + (b0 + p) * QK);
-                if (!INT4) a = _mm512_mask_sub_epi8(a, neg, zero, a);
-                const __m512i dot = _mm512_dpbusd_epi32(zero, u, a);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                         _mm512_permutexvar_ps(idx, f[r]), acc[r]);
-            }
-        }
-        b0 += 2 * pairs - 16;                             // (the loop adds 16)
-    }
-    for (int r = 0; r < R; ++r) tail[r] += _mm512_reduce_add_ps(_mm512_add_ps(acc[r], macc[r]));
+    __m512 wide[R];
+    for (int r = 0; r < R; ++r) wide[r] = _mm512_setzero_ps();
 #endif
-    for (int64_t b = b0; b < nb; ++b)                     // what is left: one block at a time
-        for (int r = 0; r < R; ++r) {
-            const int8_t* q = qx + r * k + b * QK;
-            const int dot = INT4 ? block_dot_int4(w + b * bytes, q)
-                                 : block_dot_int8((const int8_t*)(w + b * bytes), q);
-            tail[r] += (INT4 ? sc[b] : 1.0f) * d[r * nb + b] * (float)dot;
-            if (INT4) tail[r] += mn[b] * ds[r * nb + b];
+    for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {
+        const int64_t c = nb - b0 < CHUNK ? nb - b0 : CHUNK;
+        const uint8_t* wc = w + b0 * chunk_bytes;
+#if defined(WIDE)
+        if (c > 8) { lanes16<R, INT4>(wc, sc, mn, qx, d, ds, k, b0, c, wide); continue; }
+#endif
+        for (int64_t h = 0; h < c; h += 8) lanes8<R, INT4>(wc, sc, mn, qx, d, ds, k, b0, c, h, acc);
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+#if defined(WIDE)
+    for (int r = 0; r < R; ++r) out[r] += _mm512_reduce_add_ps(wide[r]);
+#endif
+#else
+    for (int r = 0; r < R; ++r) {
+        float total = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+            int dot = 0;
+            for (int e = 0; e < QK; ++e) {
+                const int64_t at = lay(b, e, nb);
+                int wv;
+                if (INT4) {                                // nibble t / 4 of byte (t % 4, lane)
+                    const int64_t b0 = b / CHUNK * CHUNK, c = nb - b0 < CHUNK ? nb - b0 : CHUNK;
+                    const uint8_t byte = w[b0 * QK / 2 + (e / 4 % 4) * c * 4 + (b - b0) * 4 + e % 4];
+                    wv = e / 4 < 4 ? byte & 15 : byte >> 4;
+                } else {
+                    wv = (int8_t)w[at];
+                }
+                dot += wv * qx[r * k + at];
+            }
+            total += INT4 ? sc[b] * d[r * nb + b] * (float)dot + mn[b] * ds[r * nb + b]
+                          : d[r * nb + b] * (float)dot;
         }
-    for (int r = 0; r < R; ++r) out[r] = tail[r];
+        out[r] = total;
+    }
+#endif
 }
 
 struct Quantized {                  // the activation rows, quantized once per call
     std::vector<int8_t> qx; std::vector<float> d, ds;
 };
 
-template <typename T>
-static void prepare(Quantized& a, const T* x, int64_t ldx, int64_t m, int64_t k) {
-    a.qx.resize(m * k); a.d.resize(m * (k / QK)); a.ds.resize(m * (k / QK));
-    quantize_rows(x, ldx, m, k, a.qx.data(), a.d.data(), a.ds.data());
-}
-
 // y [m, n] (row stride ldy) = x [m, k] W^T, W [n, k]: int8 (w [n, k], scale [n]: W = scale * w)
-// or int4 (w [n, k / 2] packed codes, scale and mn [n, k / 32]: W = code * scale + mn)
+// or int4 (w [n, k / 2] packed codes, scale and mn [n, k / 32]: W = code * scale + mn), both
+// in the layout
 template <typename T, bool INT4>
 static void quant_matmul(const T* x, int64_t ldx, const void* w, const float* scale,
                          const float* mn, T* y, int64_t ldy, int64_t m, int64_t n, int64_t k) {
     static thread_local Quantized a;
-    prepare(a, x, ldx, m, k);
     const int64_t nb = k / QK, row_bytes = INT4 ? k / 2 : k;
+    a.qx.resize(m * k); a.d.resize(m * nb); a.ds.resize(m * nb);
+    quantize_rows(x, ldx, m, k, a.qx.data(), a.d.data(), a.ds.data());
     const int8_t* qx = a.qx.data();           // (a is this thread's: OpenMP's see theirs)
     const float *dx = a.d.data(), *dsx = a.ds.data();
     #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MACS)
@@ -281,11 +333,38 @@ def _call(name: str, dtype: torch.dtype, *args) -> None:
 
 # ---------------------------------------------------------------- weight layout (built once)
 
+def layout_index(k: int) -> torch.Tensor:
+    """[K] int64: position p of a row in the kernels' layout holds the row's element
+    ``layout_index(k)[p]`` (blocks of 32 in chunks of 16 blocks; in a chunk of c blocks,
+    vector t = 0..7 lane l holds elements 4t..4t+3 of block l)."""
+    nb, parts = k // BLOCK, []
+    for b0 in range(0, nb, CHUNK):
+        c = min(CHUNK, nb - b0)
+        t, lane, j = torch.arange(8)[:, None, None], torch.arange(c)[None, :, None], \
+            torch.arange(4)
+        parts.append(((b0 + lane) * BLOCK + 4 * t + j).reshape(-1))
+    return torch.cat(parts)
+
+
+def _chunks(k: int) -> list[int]:
+    """Blocks per chunk along a row of K."""
+    nb = k // BLOCK
+    return [min(CHUNK, nb - b0) for b0 in range(0, nb, CHUNK)]
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 weight [N, K] (K a multiple of 32) -> the kernel's operand: its rows in the
+    layout (:func:`layout_index`)."""
+    _check_k(q.shape[1])
+    return q[:, layout_index(q.shape[1])].contiguous()
+
+
 def pack_int4(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """minillm's int4 weight (codes [N, K] in 0..15, scale and mn [N, K / group_size]) -> the
-    kernel's operands: packed [N, K / 2] uint8 (per block of 32, byte i = code i | code
-    (i + 16) << 4) and scale, mn float32 [N, K / 32] (each group's repeated per block)."""
+    kernel's operands: packed [N, K / 2] uint8 (a chunk's vectors t = 0..3 of the layout in
+    the low nibbles, t = 4..7 in the high ones) and scale, mn float32 [N, K / 32] (each
+    group's repeated per block)."""
     n, k = codes.shape
     _check_k(k)
     if group_size <= 0 or group_size % BLOCK or k % group_size \
@@ -293,8 +372,9 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_
         raise ValueError(f"group_size must be a multiple of {BLOCK} dividing in_features={k} "
                          f"and scale, mn [{n}, {k} / group_size]; got group_size={group_size}, "
                          f"scale {tuple(scale.shape)}, mn {tuple(mn.shape)}")
-    c = codes.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
-    packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    laid = codes.to(torch.uint8)[:, layout_index(k)].split([c * BLOCK for c in _chunks(k)], 1)
+    packed = torch.cat([((v := part.reshape(n, 8, -1))[:, :4] | (v[:, 4:] << 4)).reshape(n, -1)
+                        for part in laid], 1).contiguous()
     per_block = group_size // BLOCK
     return (packed, scale.float().repeat_interleave(per_block, 1).contiguous(),
             mn.float().repeat_interleave(per_block, 1).contiguous())
@@ -302,16 +382,21 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The codes of :func:`pack_int4`'s packed tensor: [N, K / 2] uint8 -> [N, K] uint8."""
-    n, half = packed.shape
-    p = packed.reshape(n, half * 2 // BLOCK, 1, BLOCK // 2)
-    return torch.cat([p & 0x0F, p >> 4], dim=2).reshape(n, half * 2)
+    n, k = packed.shape[0], packed.shape[1] * 2
+    parts = packed.split([c * BLOCK // 2 for c in _chunks(k)], 1)
+    laid = torch.cat([torch.cat([(p := part.reshape(n, 4, -1)) & 0x0F, p >> 4], 1).reshape(n, -1)
+                      for part in parts], 1)
+    codes = torch.empty_like(laid)
+    codes[:, layout_index(k)] = laid
+    return codes
 
 
 # ---------------------------------------------------------------- the calls
 
 def int8_matmul_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                      out: torch.Tensor) -> torch.Tensor:
-    """out [M, N] = x [M, K] (W)^T, W = scale[:, None] * q; unchecked (see :func:`int8_matmul`)."""
+    """out [M, N] = x [M, K] W^T, W = scale[:, None] * q (q in the layout: :func:`pack_int8`);
+    unchecked (see :func:`int8_matmul`)."""
     _call("int8_matmul", x.dtype, x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(),
           out.data_ptr(), out.stride(0), x.shape[0], q.shape[0], x.shape[1])
     return out
@@ -329,21 +414,30 @@ def int4_matmul_into(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
 class BoundWeight:
     """One weight's kernel operands, int8 (q, scale) or int4 (packed, scale, mn), with their
-    pointers taken once: ``w(x)`` = x [M, K] W^T -> [M, N] in x's dtype, for callers that
-    run the same weight every step (the engine). Unchecked: x must be a CPU float32 or
-    bfloat16 [M, K] tensor with contiguous rows; the operands as :func:`int8_matmul` or
-    :func:`int4_matmul` take them (held here, so they outlive the caller's references)."""
+    pointers and C++ functions looked up once: ``w(x)`` = x [M, K] W^T -> [M, N] in x's dtype,
+    for callers that run the same weight every step (the layers, the engine). Unchecked: x
+    must be a CPU float32 or bfloat16 [M, K] tensor with contiguous rows; the operands as
+    :func:`int8_matmul` or :func:`int4_matmul` take them (held here, so they live as long as
+    this does)."""
 
     def __init__(self, *operands: torch.Tensor) -> None:
-        self.operands, self.int4 = operands, len(operands) == 3
-        self.name = "int4_matmul" if self.int4 else "int8_matmul"
-        self.n, self.k = operands[0].shape[0], operands[0].shape[1] * (2 if self.int4 else 1)
+        self.operands, int4 = operands, len(operands) == 3
+        self.name = "int4_matmul" if int4 else "int8_matmul"
+        self.n, self.k = operands[0].shape[0], operands[0].shape[1] * (2 if int4 else 1)
         self.pointers = [t.data_ptr() for t in operands]
+        if (lib := LIBRARY.get()) is None:
+            raise RuntimeError(f"the CPU quantized matmul is unavailable: {unavailable_reason()}")
+        self.functions = {dt: getattr(lib, f"{self.name}_{sfx}") for dt, sfx in DTYPES.items()}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
-        _call(self.name, x.dtype, x.data_ptr(), x.stride(0), *self.pointers, out.data_ptr(),
-              out.stride(0), x.shape[0], self.n, self.k)
+        args = (x.data_ptr(), x.stride(0), *self.pointers, out.data_ptr(), out.stride(0),
+                x.shape[0], self.n, self.k)
+        if torch.autograd.profiler._is_profiler_enabled:
+            with record_function(f"minillm::{self.name}"):
+                self.functions[x.dtype](*args)
+        else:
+            self.functions[x.dtype](*args)
         return out
 
 
@@ -369,8 +463,9 @@ def _check_k(k: int) -> None:
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (float32 or bfloat16, rows contiguous), q int8 [N, K], scale float32 [N]
-    -> y [M, N] in x's dtype, y = x_q W^T with x quantized in blocks of 32."""
+    """x [M, K] (float32 or bfloat16, rows contiguous), q int8 [N, K] in the layout
+    (:func:`pack_int8`), scale float32 [N] -> y [M, N] in x's dtype, y = x_q W^T with x
+    quantized in blocks of 32."""
     n, k = q.shape
     _check_k(k)
     _check_x(x, k)

@@ -40,7 +40,7 @@ def weights(kind: str, n: int, k: int, group_size: int = 32, seed: int = 1):
     w = randn(n, k, seed=seed) * 0.05
     if kind == "int8":
         q, scale = quantize_int8(w)
-        return (q, scale), q.float() * scale[:, None]
+        return (qmm.pack_int8(q), scale), q.float() * scale[:, None]
     codes, scale, mn = quantize_int4(w, group_size)
     return qmm.pack_int4(codes, scale, mn, group_size), dequantize_int4(codes, scale, mn,
                                                                          group_size)
@@ -96,16 +96,25 @@ def test_a_wrong_answer_is_caught():
     assert (good.double() - want).abs().max() < 1e-4 < (bad.double() - want).abs().max()
 
 
-def test_pack_int4_round_trip_and_layout():
-    codes = torch.arange(64).remainder(16).reshape(1, 64)
-    packed, _, _ = qmm.pack_int4(codes, torch.ones(1, 2), torch.zeros(1, 2), 32)
-    assert packed[0, 0].item() == 0 | (16 % 16) << 4 and packed[0, 1].item() == 1 | (1 << 4)
-    assert torch.equal(qmm.unpack_int4(packed), codes.to(torch.uint8))
+@pytest.mark.parametrize("k", [32, 64, 544, 1120])
+def test_layout_round_trips(k):
+    index = qmm.layout_index(k)
+    assert torch.equal(index.sort().values, torch.arange(k))
+    codes = torch.randint(0, 16, (3, k), generator=torch.Generator().manual_seed(k))
+    packed, _, _ = qmm.pack_int4(codes, torch.ones(3, k // 32), torch.zeros(3, k // 32), 32)
+    assert packed.shape == (3, k // 2) and torch.equal(qmm.unpack_int4(packed), codes.byte())
+
+
+def test_layout_puts_four_bytes_of_each_block_in_a_lane():
+    """Two blocks (one chunk of c = 2): vector t lane l = elements 4t..4t+3 of block l."""
+    assert qmm.layout_index(64)[:16].tolist() == [0, 1, 2, 3, 32, 33, 34, 35,
+                                                  4, 5, 6, 7, 36, 37, 38, 39]
 
 
 @pytest.mark.parametrize("call,match", [
     (lambda: qmm.int8_matmul(torch.ones(1, 40), torch.ones(4, 40, dtype=torch.int8),
                              torch.ones(4)), "in_features must be a positive multiple of 32"),
+    (lambda: qmm.pack_int8(torch.ones(4, 40, dtype=torch.int8)), "in_features must be"),
     (lambda: qmm.int8_matmul(torch.ones(1, 64), torch.ones(4, 32, dtype=torch.int8),
                              torch.ones(4)), "x must be"),
     (lambda: qmm.int8_matmul(torch.ones(1, 32, dtype=torch.float64),
@@ -159,8 +168,9 @@ def test_engine_fast_path_runs_quantized_weights_as_eager_does(monkeypatch):
     model, tok = minillm.load_model("tiny", dtype=torch.float32)
     quantize_model(model, "int8")
     calls = []
-    real = qmm._call
-    monkeypatch.setattr(qmm, "_call", lambda name, *a: calls.append(name) or real(name, *a))
+    real = qmm.BoundWeight.__call__
+    monkeypatch.setattr(qmm.BoundWeight, "__call__",
+                        lambda self, x: calls.append(self.name) or real(self, x))
 
     def greedy(fuse: bool):
         engine = LLMEngine(model, tok, EngineConfig(attention_backend="cpu"))
@@ -176,3 +186,15 @@ def test_engine_fast_path_runs_quantized_weights_as_eager_does(monkeypatch):
     eager = greedy(False)
     calls.clear()
     assert greedy(True) == eager and calls.count("int8_matmul") > 8
+
+
+def test_layers_moved_to_another_dtype_keep_their_answer():
+    """model.to(bfloat16) turns a layer's float scales to bfloat16: the kernel's operands are
+    laid out afresh in float32 (the C++ reads float32)."""
+    w = randn(64, 96, seed=12) * 0.05
+    x = randn(2, 96, seed=13)
+    for lin in (Int8Linear(*quantize_int8(w)), Int4Linear(*quantize_int4(w, 32), 32)):
+        with torch.no_grad():
+            before = lin(x)
+            lin.to(torch.bfloat16)
+            torch.testing.assert_close(lin(x), before, rtol=0, atol=1e-2 * before.abs().max())

@@ -35,47 +35,58 @@ OP_DTYPE = torch.bfloat16  # what the CPU packed ops compute in
 KERNEL_ROWS = 8
 
 
-def _int_kernels():
-    """minillm.kernels.cpu_quant_matmul where it built here, else None."""
-    return cpu_quant_matmul if cpu_quant_matmul.available() else None
-
-
 def _use_int_kernel(h: torch.Tensor) -> bool:
     """A CPU input h [M, K] of a few float32/bfloat16 rows, K a multiple of the kernels' block
     of 32, and kernels that built here."""
     return h.device.type == "cpu" and h.shape[0] <= KERNEL_ROWS and h.shape[-1] % 32 == 0 \
-        and h.dtype in (torch.float32, torch.bfloat16) and _int_kernels() is not None
+        and h.dtype in cpu_quant_matmul.DTYPES and cpu_quant_matmul.available()
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (rows contiguous) @ (scale[:, None] * q)^T -> [M, N] in x's dtype."""
-    out = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype)
-    return _int_kernels().int8_matmul_into(x, q, scale, out)
+def _int8_kernel(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (rows contiguous) @ (scale[:, None] * q)^T -> [M, N] in x's dtype (q in the
+    kernel's layout: ``cpu_quant_matmul.pack_int8``)."""
+    return cpu_quant_matmul.BoundWeight(q, scale)(x)
 
 
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                mn: torch.Tensor) -> torch.Tensor:
+def _int4_kernel(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                 mn: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W^T for the int4 operands of ``cpu_quant_matmul.pack_int4`` -> [M, N]."""
-    out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
-    return _int_kernels().int4_matmul_into(x, packed, scale, mn, out)
+    return cpu_quant_matmul.BoundWeight(packed, scale, mn)(x)
 
 
-# the same two as custom ops, opaque nodes of a torch.compile graph (eager calls skip the
-# dispatcher: it would add ~10 us a call)
-int8_matmul_op = torch.library.custom_op("minillm::int8_matmul", int8_matmul, mutates_args=())
-int4_matmul_op = torch.library.custom_op("minillm::int4_matmul", int4_matmul, mutates_args=())
+# the kernels as custom ops: opaque nodes of a torch.compile graph
+int8_matmul_op = torch.library.custom_op("minillm::int8_matmul", _int8_kernel, mutates_args=())
+int4_matmul_op = torch.library.custom_op("minillm::int4_matmul", _int4_kernel, mutates_args=())
 int8_matmul_op.register_fake(lambda x, q, scale: x.new_empty(x.shape[0], q.shape[0]))
 int4_matmul_op.register_fake(lambda x, packed, scale, mn: x.new_empty(x.shape[0],
                                                                         packed.shape[0]))
 
 
-def _int_matmul(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-    """The int8 (q, scale) or int4 (packed, scale, mn) kernel on x [M, K]."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    int8 = len(weights) == 2
+def _prepare_kernel(layer: Int8Linear | Int4Linear) -> None:
+    """Lay a new CPU layer's weight out for the integer kernels now (a second copy of its
+    bytes), so a torch.compile trace finds it ready; elsewhere it waits for a first call."""
+    if layer.scale.device.type == "cpu" and layer.in_features % 32 == 0 \
+            and cpu_quant_matmul.available():
+        layer.kernel_operands()
+
+
+def _use_kernel(layer: Int8Linear | Int4Linear, h: torch.Tensor) -> bool:
+    """Whether h goes to the integer kernels: a few CPU rows (:func:`_use_int_kernel`), and
+    while torch.compile traces, a layout already made (building one is not traceable)."""
+    return _use_int_kernel(h) and not (torch.compiler.is_compiling()
+                                       and layer._bound is None)
+
+
+def _kernel_forward(layer: Int8Linear | Int4Linear, h: torch.Tensor) -> torch.Tensor:
+    """h [M, K] @ layer's W^T by the integer kernels: the custom op while torch.compile
+    traces, else the layer's BoundWeight (eager calls skip the dispatcher, ~10 us)."""
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    if layer._bound is None:
+        layer.kernel_operands()
     if torch.compiler.is_compiling():
-        return (int8_matmul_op if int8 else int4_matmul_op)(x, *weights)
-    return (int8_matmul if int8 else int4_matmul)(x, *weights)
+        return (int8_matmul_op if len(layer._bound.operands) == 2 else int4_matmul_op)(
+            h, *layer._bound.operands)
+    return layer._bound(h)
 
 
 def has_cpu_int8_op() -> bool:
@@ -109,6 +120,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("q", q.contiguous())
         self.register_buffer("scale", scale.float())
         self.register_buffer("scale_op", scale.to(OP_DTYPE))
+        self._kernel_q: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._bound: cpu_quant_matmul.BoundWeight | None = None
+        _prepare_kernel(self)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -117,13 +131,25 @@ class Int8Linear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         return dequantize_int8(self.q, self.scale)
 
+    def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """minillm's integer kernel's (q in its layout, float32 scale), built once."""
+        if self._kernel_q is None:
+            self._kernel_q = (cpu_quant_matmul.pack_int8(self.q),
+                              self.scale.float().contiguous())
+            self._bound = cpu_quant_matmul.BoundWeight(*self._kernel_q)
+        return self._kernel_q
+
+    def _apply(self, fn, recurse=True):  # .to() / .cpu() / .cuda(): rebuild the layout
+        self._kernel_q = self._bound = None
+        return super()._apply(fn, recurse)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (*x.shape[:-1], self.out_features)
         if _needs_grad(x):
             return F.linear(x, self.dequantize().to(x.dtype))
         h = _flat(x)
-        if _use_int_kernel(h):
-            y = _int_matmul(h, self.q, self.scale)
+        if _use_kernel(self, h):
+            y = _kernel_forward(self, h)
         elif h.device.type == "cpu" and has_cpu_int8_op():
             y = torch.ops.aten._weight_int8pack_mm(h.to(OP_DTYPE), self.q, self.scale_op)
         else:
@@ -153,6 +179,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("in_scale", None if in_scale is None else in_scale.float())
         self._cpu_packed: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kernel_packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._bound: cpu_quant_matmul.BoundWeight | None = None
+        _prepare_kernel(self)
 
     def codes(self) -> torch.Tensor:
         return torch.stack([self.packed & 0x0F, self.packed >> 4], -1).reshape(
@@ -176,12 +204,13 @@ class Int4Linear(nn.Module):
     def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """minillm's integer kernel's (packed, scale, mn) per block of 32, built once."""
         if self._kernel_packed is None:
-            self._kernel_packed = _int_kernels().pack_int4(self.codes(), self.scale, self.mn,
-                                                           self.group_size)
+            self._kernel_packed = cpu_quant_matmul.pack_int4(self.codes(), self.scale, self.mn,
+                                                             self.group_size)
+            self._bound = cpu_quant_matmul.BoundWeight(*self._kernel_packed)
         return self._kernel_packed
 
     def _apply(self, fn, recurse=True):  # .to() / .cpu() / .cuda(): rebuild the op's packing
-        self._cpu_packed = self._kernel_packed = None
+        self._cpu_packed = self._kernel_packed = self._bound = None
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,8 +220,8 @@ class Int4Linear(nn.Module):
         h = _flat(x)
         if self.in_scale is not None:
             h = h * self.in_scale.to(h.dtype)
-        if _use_int_kernel(h):
-            y = _int_matmul(h, *self.kernel_operands())
+        if _use_kernel(self, h):
+            y = _kernel_forward(self, h)
         elif h.device.type == "cpu" and has_cpu_int4_op():
             packed, sz = self._cpu_operands()
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(h.to(OP_DTYPE).contiguous(), packed,
@@ -248,8 +277,7 @@ class QuantGroup:
             raise ValueError("linears must be all Int8Linear or all Int4Linear without "
                              "in_scale, with in_features a multiple of 32")
         self.linears = linears
-        ops = [(lin.q, lin.scale) if isinstance(lin, Int8Linear) else lin.kernel_operands()
-               for lin in linears]
+        ops = [lin.kernel_operands() for lin in linears]
         self.weight = cpu_quant_matmul.BoundWeight(
             *(ops[0] if len(ops) == 1 else (torch.cat(p) for p in zip(*ops))))
 
