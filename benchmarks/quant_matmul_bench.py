@@ -25,7 +25,7 @@ from minillm.bench.common import machine_info, write_json
 from minillm.quant import linear as qlinear
 from minillm.quant.formats import quantize_int4, quantize_int8
 
-KERNEL_ROWS = qlinear.KERNEL_ROWS        # the package's choice, restored after each measurement
+KERNEL_ROWS = dict(qlinear.KERNEL_ROWS)  # the package's choice, restored after each measurement
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "head": (49152, 576)}
 
@@ -48,9 +48,9 @@ def measure(name: str, kind: str, rows: int, rounds: int) -> dict:
     with torch.inference_mode():
         for _ in range(rounds + 1):                        # the first round warms up
             for way in times:
-                qlinear.KERNEL_ROWS = 1 << 30 if way == "kernel" else 0
+                qlinear.KERNEL_ROWS = dict.fromkeys(KERNEL_ROWS, 1 << 30 if way == "kernel" else 0)
                 times[way].append(per_call_us(lambda: lin(x), calls))
-    qlinear.KERNEL_ROWS = KERNEL_ROWS
+    qlinear.KERNEL_ROWS = dict(KERNEL_ROWS)
     torch_us, kernel_us = (statistics.median(times[w][1:]) for w in ("torch", "kernel"))
     row = {"matmul": name, "shape": [n, k], "weights": kind, "rows": rows,
            "torch_us": round(torch_us, 1), "kernel_us": round(kernel_us, 1),
@@ -71,13 +71,13 @@ def main() -> None:
     load = os.getloadavg()[0]
     results = [measure(name, kind, rows, args.rounds) for kind in ("int8", "int4")
                for name in SHAPES for rows in args.rows]
-    write_json(args.out, {
+    write_json({
         "benchmark": "quant_matmul", **machine_info(torch.device("cpu"), args.threads),
         "load_average": [load, os.getloadavg()[0]], "rounds": args.rounds,
         "kernel_rows": KERNEL_ROWS,
         "method": "median microseconds a call through Int8Linear/Int4Linear, bfloat16 "
                   "activations, kernel and torch taking turns, first round dropped",
-        "results": results})
+        "results": results}, args.out)
     print(f"wrote {args.out}")
 
 

@@ -138,7 +138,7 @@ def test_linears_use_the_kernel_for_a_few_rows_and_torch_for_more(kind):
     w = randn(96, 128, seed=8) * 0.05
     lin = Int8Linear(*quantize_int8(w)) if kind == "int8" else Int4Linear(*quantize_int4(w, 32),
                                                                           32)
-    few, many = randn(KERNEL_ROWS, 128, seed=9), randn(KERNEL_ROWS + 8, 128, seed=9)
+    few, many = randn(KERNEL_ROWS[kind], 128, seed=9), randn(KERNEL_ROWS[kind] + 8, 128, seed=9)
     with torch.no_grad():
         torch.testing.assert_close(lin(few).double(), qmm.reference_matmul(few, lin.dequantize()),
                                    rtol=0, atol=1e-5)

@@ -5,7 +5,7 @@ set by bytes moved, not by arithmetic. An int8 weight moves half the bytes of bf
 weight a quarter (plus its group scales). The layers here keep the weight packed and call a
 kernel that dequantizes on the fly:
 
-* CPU, up to :data:`KERNEL_ROWS` rows (a decode step): minillm's integer kernels
+* CPU, up to :data:`KERNEL_ROWS` rows (a decode step at batch 1): minillm's integer kernels
   (:mod:`minillm.kernels.cpu_quant_matmul`), which quantize the activations to int8 in blocks
   of 32 as llama.cpp does and multiply integers (AVX-VNNI where the CPU has it). Under
   ``torch.compile`` they are the custom ops ``minillm::int8_matmul`` / ``minillm::int4_matmul``.
@@ -30,16 +30,20 @@ from ..kernels import cpu_quant_matmul
 from .formats import check_int4, dequantize_int4, dequantize_int8, pack_int4, quantize_int8
 
 OP_DTYPE = torch.bfloat16  # what the CPU packed ops compute in
-#: up to this many rows the integer kernels beat PyTorch's weight-only ops (a decode step; at
-#: 16 rows and more, a prefill, PyTorch's are as fast or faster: benchmarks/quant_matmul_bench.py)
-KERNEL_ROWS = 8
+#: up to this many rows the integer kernels run a layer, PyTorch's weight-only ops above:
+#: ``python benchmarks/quant_matmul_bench.py`` (SmolLM2's shapes, AVX-512 VNNI, 2 threads) had
+#: int8 ahead at 1 row (x1.06-1.32, the output head x2.2) and the head up to 16, the other
+#: layers even or behind from 2-4 rows; int4 ahead at 1 row (x1.03-1.34 but the head x0.90) and
+#: behind from 2 (x0.66-0.95 at 4). So: int8 up to 4 rows (the head decides), int4 1 row.
+KERNEL_ROWS = {"int8": 4, "int4": 1}
 
 
-def _use_int_kernel(h: torch.Tensor) -> bool:
-    """A CPU input h [M, K] of a few float32/bfloat16 rows, K a multiple of the kernels' block
-    of 32, and kernels that built here."""
-    return h.device.type == "cpu" and h.shape[0] <= KERNEL_ROWS and h.shape[-1] % 32 == 0 \
-        and h.dtype in cpu_quant_matmul.DTYPES and cpu_quant_matmul.available()
+def _use_int_kernel(h: torch.Tensor, kind: str) -> bool:
+    """A CPU input h [M, K] of at most ``KERNEL_ROWS[kind]`` float32/bfloat16 rows, K a
+    multiple of the kernels' block of 32, and kernels that built here."""
+    return h.device.type == "cpu" and h.shape[0] <= KERNEL_ROWS[kind] \
+        and h.shape[-1] % 32 == 0 and h.dtype in cpu_quant_matmul.DTYPES \
+        and cpu_quant_matmul.available()
 
 
 def _int8_kernel(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -73,8 +77,9 @@ def _prepare_kernel(layer: Int8Linear | Int4Linear) -> None:
 def _use_kernel(layer: Int8Linear | Int4Linear, h: torch.Tensor) -> bool:
     """Whether h goes to the integer kernels: a few CPU rows (:func:`_use_int_kernel`), and
     while torch.compile traces, a layout already made (building one is not traceable)."""
-    return _use_int_kernel(h) and not (torch.compiler.is_compiling()
-                                       and layer._bound is None)
+    kind = "int8" if isinstance(layer, Int8Linear) else "int4"
+    return _use_int_kernel(h, kind) and not (torch.compiler.is_compiling()
+                                             and layer._bound is None)
 
 
 def _kernel_forward(layer: Int8Linear | Int4Linear, h: torch.Tensor) -> torch.Tensor:
@@ -277,6 +282,7 @@ class QuantGroup:
             raise ValueError("linears must be all Int8Linear or all Int4Linear without "
                              "in_scale, with in_features a multiple of 32")
         self.linears = linears
+        self.rows = KERNEL_ROWS["int8" if isinstance(linears[0], Int8Linear) else "int4"]
         ops = [lin.kernel_operands() for lin in linears]
         self.weight = cpu_quant_matmul.BoundWeight(
             *(ops[0] if len(ops) == 1 else (torch.cat(p) for p in zip(*ops))))
@@ -292,7 +298,7 @@ class QuantGroup:
                     else lin.packed.device.type == "cpu" for lin in linears)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= KERNEL_ROWS and x.dtype in cpu_quant_matmul.DTYPES \
+        if x.shape[0] <= self.rows and x.dtype in cpu_quant_matmul.DTYPES \
                 and x.stride(-1) == 1 and cpu_quant_matmul.available():
             return self.weight(x)
         ys = [lin(x) for lin in self.linears]
