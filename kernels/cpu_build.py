@@ -18,6 +18,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+from torch.profiler import record_function
+
 SCALARS = r"""
 #include <cmath>
 #include <cstdint>
@@ -123,3 +126,13 @@ class Library:
     def reason(self) -> str:
         self.get()
         return self._loaded[1]
+
+
+def profiled_call(fn, name: str, *args) -> None:
+    """``fn(*args)`` (a C++ function), shown as a row ``minillm::<name>`` of torch.profiler's
+    table while the profiler records (the annotation costs ~30 us a call, so only then)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        with record_function(f"minillm::{name}"):
+            fn(*args)
+    else:
+        fn(*args)

@@ -24,9 +24,8 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from torch.profiler import record_function
 
-from .cpu_build import SCALARS, Library
+from .cpu_build import SCALARS, Library, profiled_call
 
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -150,14 +149,8 @@ def unavailable_reason() -> str:
 
 
 def _call(name: str, dtype: torch.dtype, *args) -> None:
-    """Call the C++ function ``name`` for ``dtype``; a row of torch.profiler's table
-    (``minillm::<name>``) while it records (the annotation costs ~30 us, so only then)."""
-    fn = getattr(LIBRARY.get(), f"{name}_{DTYPES[dtype]}")
-    if torch.autograd.profiler._is_profiler_enabled:
-        with record_function(f"minillm::{name}"):
-            fn(*args)
-    else:
-        fn(*args)
+    """Call the C++ function ``name`` for ``dtype`` (a torch.profiler row while it records)."""
+    profiled_call(getattr(LIBRARY.get(), f"{name}_{DTYPES[dtype]}"), name, *args)
 
 
 # The unchecked calls (for the engine, which built every tensor it passes: rows contiguous,

@@ -33,9 +33,8 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from torch.profiler import record_function
 
-from .cpu_build import SCALARS, Library
+from .cpu_build import SCALARS, Library, profiled_call
 
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM = 256
@@ -412,11 +411,7 @@ def attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             block_tables.shape[1], seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),
             seqs.data_ptr(), seqs.shape[0], out.data_ptr(), hq, k_cache.shape[2], d,
             k_cache.shape[1], scale)
-    if torch.autograd.profiler._is_profiler_enabled:   # a row of torch.profiler's table
-        with record_function("minillm::cpu_paged_attention"):
-            fn(*args)
-    else:                                              # (the annotation costs ~30 us a call)
-        fn(*args)
+    profiled_call(fn, "cpu_paged_attention", *args)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

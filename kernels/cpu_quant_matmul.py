@@ -35,9 +35,8 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from torch.profiler import record_function
 
-from .cpu_build import SCALARS, Library
+from .cpu_build import SCALARS, Library, profiled_call
 
 BLOCK = 32          # activation values sharing one scale; a multiple of it divides K
 CHUNK = 16          # blocks whose dot products one 512-bit register holds side by side
@@ -78,7 +77,10 @@ static void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int8_t*
         for (int64_t b = 0; b < nb; ++b) {
             const T* xb = x + r * ldx + b * QK;
             float amax = 0.0f, v[QK];
-            for (int i = 0; i < QK; ++i) { v[i] = widen(xb[i]); amax = std::fmax(amax, std::fabs(v[i])); }
+            for (int i = 0; i < QK; ++i) {
+                v[i] = widen(xb[i]);
+                amax = std::fmax(amax, std::fabs(v[i]));
+            }
             const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
             int sum = 0;
             int8_t q[QK];
@@ -96,7 +98,9 @@ static void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int8_t*
 
 #if defined(WIDE)
 // int32 lanes += 4-byte dot products of u (unsigned) and s (signed)
-static inline __m512i madd(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+static inline __m512i madd(__m512i acc, __m512i u, __m512i s) {
+    return _mm512_dpbusd_epi32(acc, u, s);
+}
 #endif
 #if defined(__AVX2__)
 static inline __m256i madd(__m256i acc, __m256i u, __m256i s) {
@@ -236,7 +240,8 @@ static inline void weight_row(const uint8_t* w, const float* sc, const float* mn
                 int wv;
                 if (INT4) {                                // nibble t / 4 of byte (t % 4, lane)
                     const int64_t b0 = b / CHUNK * CHUNK, c = nb - b0 < CHUNK ? nb - b0 : CHUNK;
-                    const uint8_t byte = w[b0 * QK / 2 + (e / 4 % 4) * c * 4 + (b - b0) * 4 + e % 4];
+                    const uint8_t byte =
+                        w[b0 * QK / 2 + (e / 4 % 4) * c * 4 + (b - b0) * 4 + e % 4];
                     wv = e / 4 < 4 ? byte & 15 : byte >> 4;
                 } else {
                     wv = (int8_t)w[at];
@@ -320,17 +325,6 @@ def unavailable_reason() -> str:
     return LIBRARY.reason()
 
 
-def _call(name: str, dtype: torch.dtype, *args) -> None:
-    """Call the C++ function ``name`` for ``dtype`` (a row ``minillm::<name>`` of
-    torch.profiler's table while it records)."""
-    fn = getattr(LIBRARY.get(), f"{name}_{DTYPES[dtype]}")
-    if torch.autograd.profiler._is_profiler_enabled:
-        with record_function(f"minillm::{name}"):
-            fn(*args)
-    else:
-        fn(*args)
-
-
 # ---------------------------------------------------------------- weight layout (built once)
 
 def layout_index(k: int) -> torch.Tensor:
@@ -393,25 +387,6 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- the calls
 
-def int8_matmul_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                     out: torch.Tensor) -> torch.Tensor:
-    """out [M, N] = x [M, K] W^T, W = scale[:, None] * q (q in the layout: :func:`pack_int8`);
-    unchecked (see :func:`int8_matmul`)."""
-    _call("int8_matmul", x.dtype, x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(),
-          out.data_ptr(), out.stride(0), x.shape[0], q.shape[0], x.shape[1])
-    return out
-
-
-def int4_matmul_into(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                     mn: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out [M, N] = x [M, K] W^T, W = code * scale + mn per block of 32 (the operands of
-    :func:`pack_int4`); unchecked (see :func:`int4_matmul`)."""
-    _call("int4_matmul", x.dtype, x.data_ptr(), x.stride(0), packed.data_ptr(),
-          scale.data_ptr(), mn.data_ptr(), out.data_ptr(), out.stride(0),
-          x.shape[0], packed.shape[0], x.shape[1])
-    return out
-
-
 class BoundWeight:
     """One weight's kernel operands, int8 (q, scale) or int4 (packed, scale, mn), with their
     pointers and C++ functions looked up once: ``w(x)`` = x [M, K] W^T -> [M, N] in x's dtype,
@@ -433,11 +408,7 @@ class BoundWeight:
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
         args = (x.data_ptr(), x.stride(0), *self.pointers, out.data_ptr(), out.stride(0),
                 x.shape[0], self.n, self.k)
-        if torch.autograd.profiler._is_profiler_enabled:
-            with record_function(f"minillm::{self.name}"):
-                self.functions[x.dtype](*args)
-        else:
-            self.functions[x.dtype](*args)
+        profiled_call(self.functions[x.dtype], self.name, *args)
         return out
 
 
@@ -471,7 +442,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     _check_x(x, k)
     _check_weight("q", q, (n, k), torch.int8)
     _check_weight("scale", scale, (n,), torch.float32)
-    return int8_matmul_into(x, q, scale, torch.empty(x.shape[0], n, dtype=x.dtype))
+    return BoundWeight(q, scale)(x)
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor
@@ -484,7 +455,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mn: 
     _check_weight("packed", packed, (n, k // 2), torch.uint8)
     for name, t in (("scale", scale), ("mn", mn)):
         _check_weight(name, t, (n, k // BLOCK), torch.float32)
-    return int4_matmul_into(x, packed, scale, mn, torch.empty(x.shape[0], n, dtype=x.dtype))
+    return BoundWeight(packed, scale, mn)(x)
 
 
 # ---------------------------------------------------------------- plain-torch statement

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from minillm.kernels import cpu_build
 from minillm.kernels import cpu_quant_matmul as qmm
+
 from minillm.quant import Int4Linear, Int8Linear, quantize_model
 from minillm.quant.formats import dequantize_int4, quantize_int4, quantize_int8
 from minillm.quant.linear import KERNEL_ROWS, QuantGroup

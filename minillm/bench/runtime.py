@@ -6,9 +6,9 @@ optionally the activation dtype of a quantized model (``int4@bf16``; default flo
 the step runs: eager :func:`minillm.generate.generate`, ``+compile`` (a
 :class:`~minillm.runtime.StaticDecoder` under ``torch.compile``), ``+graphs`` (its step
 captured as a CUDA graph; CUDA only; ``+compile+graphs`` both) or ``+engine`` (the serving
-engine, :class:`~minillm.engine.LLMEngine`, one request: on the CPU its fused fast path). Decode tokens/s =
-(new_tokens - 1) / (generate time - prefill time), greedy, EOS ignored; one warm-up (which
-compiles), then the median of ``repeats`` rounds in which all configs take turns
+engine, :class:`~minillm.engine.LLMEngine`, one request: on the CPU its fused fast path).
+Decode tokens/s = (new_tokens - 1) / (generate time - prefill time), greedy, EOS ignored; one
+warm-up (which compiles), then the median of ``repeats`` rounds in which all configs take turns
 (:func:`~minillm.bench.common.median_times`). llama.cpp runs the GGUF file's Q4_1 weights.
 
 Part 2 (``batch_sizes``), the decode step alone at several batch sizes: ms per step of the

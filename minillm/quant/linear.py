@@ -9,7 +9,8 @@ kernel that dequantizes on the fly:
   (:mod:`minillm.kernels.cpu_quant_matmul`), which quantize the activations to int8 in blocks
   of 32 as llama.cpp does and multiply integers (AVX-VNNI where the CPU has it). Under
   ``torch.compile`` they are the custom ops ``minillm::int8_matmul`` / ``minillm::int4_matmul``.
-* CPU, more rows (a prefill), or where the kernels did not build: PyTorch's packed weight-only ops, ``aten._weight_int8pack_mm`` (int8 per channel) and
+* CPU, more rows (a prefill), or where the kernels did not build: PyTorch's packed
+  weight-only ops, ``aten._weight_int8pack_mm`` (int8 per channel) and
   ``aten._weight_int4pack_mm_for_cpu`` (int4 groups, weight repacked by
   ``aten._convert_weight_to_int4pack_for_cpu``). They take bf16 activations (their fp32 path is
   a slow fallback), so activations are cast to bf16 around the op.

@@ -40,13 +40,14 @@ def runtime_rows(report: dict) -> list[dict]:
 
 
 def plot_runtime(report: dict):
-    """Left: batch-1 decode tokens/s per config (llama.cpp in grey). Right: ms per decode step
-    against the batch size per config (``batch_sweep``), or the ms per token of each config."""
+    """Left: batch-1 decode tokens/s per config (llama.cpp grey, compiled orange, the engine
+    green). Right: ms per decode step against the batch size per config (``batch_sweep``), or
+    the ms per token of each config."""
     rows = runtime_rows(report)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 3.8))
     names = [r["name"] for r in rows]
-    colours = ["grey" if "llama" in n else "C1" if "compile" in n or "graph" in n else "C0"
-               for n in names]
+    colours = ["grey" if "llama" in n else "C1" if "compile" in n or "graph" in n
+               else "C2" if "engine" in n else "C0" for n in names]
     ax.barh(names, [r["decode_tok_s"] for r in rows], color=colours)
     for i, r in enumerate(rows):
         ax.text(r["decode_tok_s"], i, f" {r['decode_tok_s']:.1f}", va="center", fontsize=8)
