@@ -10,7 +10,8 @@ from minillm.kernels import cpu_quant_matmul as qmm
 
 from minillm.quant import Int4Linear, Int8Linear, quantize_model
 from minillm.quant.formats import dequantize_int4, quantize_int4, quantize_int8
-from minillm.quant.linear import KERNEL_ROWS, QuantGroup
+from minillm.quant import linear as qlinear
+from minillm.quant.linear import VNNI_KERNEL_ROWS, QuantGroup
 
 pytestmark = pytest.mark.skipif(not qmm.available(), reason="the CPU kernels did not build")
 
@@ -133,12 +134,20 @@ def test_bad_input_names_the_parameter(call, match):
 
 # ---------------------------------------------------------------- the layers that call them
 
+@pytest.fixture(autouse=True)
+def kernel_rows(monkeypatch):
+    """The layers call the kernels up to these rows on any CPU here (on one without VNNI the
+    package leaves them to PyTorch's ops for speed, not for correctness)."""
+    monkeypatch.setattr(qlinear, "KERNEL_ROWS", VNNI_KERNEL_ROWS)
+    return VNNI_KERNEL_ROWS
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_linears_use_the_kernel_for_a_few_rows_and_torch_for_more(kind):
+def test_linears_use_the_kernel_for_a_few_rows_and_torch_for_more(kind, kernel_rows):
     w = randn(96, 128, seed=8) * 0.05
     lin = Int8Linear(*quantize_int8(w)) if kind == "int8" else Int4Linear(*quantize_int4(w, 32),
                                                                           32)
-    few, many = randn(KERNEL_ROWS[kind], 128, seed=9), randn(KERNEL_ROWS[kind] + 8, 128, seed=9)
+    few, many = randn(kernel_rows[kind], 128, seed=9), randn(kernel_rows[kind] + 8, 128, seed=9)
     with torch.no_grad():
         torch.testing.assert_close(lin(few).double(), qmm.reference_matmul(few, lin.dequantize()),
                                    rtol=0, atol=1e-5)

@@ -27,16 +27,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..device import cpu_features
 from ..kernels import cpu_quant_matmul
 from .formats import check_int4, dequantize_int4, dequantize_int8, pack_int4, quantize_int8
 
 OP_DTYPE = torch.bfloat16  # what the CPU packed ops compute in
-#: up to this many rows the integer kernels run a layer, PyTorch's weight-only ops above:
-#: ``python benchmarks/quant_matmul_bench.py`` (SmolLM2's shapes, AVX-512 VNNI, 2 threads) had
-#: int8 ahead at 1 row (x1.06-1.32, the output head x2.2) and the head up to 16, the other
-#: layers even or behind from 2-4 rows; int4 ahead at 1 row (x1.03-1.34 but the head x0.90) and
-#: behind from 2 (x0.66-0.95 at 4). So: int8 up to 4 rows (the head decides), int4 1 row.
-KERNEL_ROWS = {"int8": 4, "int4": 1}
+#: up to this many rows the integer kernels run a layer, PyTorch's weight-only ops above
+#: (``python benchmarks/quant_matmul_bench.py`` -> benchmarks/results/quant_matmul.json, SmolLM2's
+#: shapes, AVX-512 VNNI, 2 threads: PyTorch's time over ours). int8: x1.06-1.34 at 1 row, the
+#: output head x2.5; at 4 rows the layers x0.87-1.02 and the head, most of the time, x1.85.
+#: int4: x1.09-1.46 at 1 row; from 2 rows mixed (x0.93-1.17), from 4 behind (x0.79-0.99).
+#: Measured only where the CPU multiplies bytes with VNNI (one instruction per 32 byte pairs);
+#: elsewhere (AVX2's two-step multiply-add, other CPUs) PyTorch's ops run every layer until
+#: someone measures there.
+VNNI_KERNEL_ROWS = {"int8": 4, "int4": 1}
+KERNEL_ROWS = VNNI_KERNEL_ROWS if cpu_features() & {"avx512_vnni", "avx_vnni"} \
+    else dict.fromkeys(VNNI_KERNEL_ROWS, 0)
 
 
 def _use_int_kernel(h: torch.Tensor, kind: str) -> bool:
