@@ -10,6 +10,12 @@ import importlib.util as _util
 import sys as _sys
 from pathlib import Path as _Path
 
+from .checkpoint.loader import load_model
+from .checkpoint.tokenizer import Tokenizer
+from .config import PRESETS, ModelConfig, SamplingParams
+from .engine import LLM
+from .model.transformer import Transformer
+
 
 def _kernels_from_checkout() -> None:
     """Run from a source checkout without ``pip install``: make ``minillm.kernels`` the
@@ -25,13 +31,7 @@ def _kernels_from_checkout() -> None:
     spec.loader.exec_module(module)
 
 
-_kernels_from_checkout()   # first: modules below import minillm.kernels at their top
-
-from .checkpoint.loader import load_model  # noqa: E402
-from .checkpoint.tokenizer import Tokenizer  # noqa: E402
-from .config import PRESETS, ModelConfig, SamplingParams  # noqa: E402
-from .engine import LLM  # noqa: E402
-from .model.transformer import Transformer  # noqa: E402
+_kernels_from_checkout()
 
 __all__ = ["LLM", "PRESETS", "ModelConfig", "SamplingParams", "Tokenizer", "Transformer",
            "load_model"]

@@ -20,12 +20,16 @@ AddParser = Callable[["argparse._SubParsersAction"], None]
 # ----------------------------------------------------------------------------- helpers
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --device, --dtype: where the weights come from and where they run."""
+    """--model, --device, --dtype, --quantization: where the weights come from, how they are
+    stored and where they run."""
     p.add_argument("--model", default="smollm2-135m",
                    help="preset name, .gguf file or HF checkpoint folder (default: %(default)s)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--dtype", default=None,
                    help="float32, bfloat16 or float16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="weights quantized at load time (vLLM's flag): int8, int4, gptq, awq, "
+                        "hqq, q8_0, q4_1 or q4_k (default: none)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -48,10 +52,12 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def load(args: argparse.Namespace):
-    """(model, tokenizer) for --model/--device/--dtype; a model without a tokenizer is an error."""
+    """(model, tokenizer) for --model/--device/--dtype/--quantization; a model without a
+    tokenizer is an error."""
     from .checkpoint.loader import load_model
 
-    model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tok = load_model(args.model, device=args.device, dtype=args.dtype,
+                            quantization=args.quantization)
     if tok is None:
         raise ValueError(f"--model {args.model!r} has no tokenizer, so it cannot read text")
     return model, tok
@@ -547,7 +553,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     serve(args.model, args.host, args.port, api_key=args.api_key, max_queue=args.max_queue,
           shutdown_timeout=args.shutdown_timeout, device=args.device, dtype=args.dtype,
-          log_level=args.log_level, served_model_name=args.served_model_name, **options)
+          quantization=args.quantization, log_level=args.log_level,
+          served_model_name=args.served_model_name, **options)
     return 0
 
 

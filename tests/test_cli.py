@@ -1,4 +1,5 @@
 """The command line, run as a user would: ``python -m minillm ...`` in a subprocess."""
+import copy
 import json
 import os
 import subprocess
@@ -45,6 +46,21 @@ def test_generate_prints_the_greedy_continuation(real):
 
 
 @pytest.mark.slow
+def test_generate_with_quantized_weights(real):
+    """--quantization int8: the greedy continuation of the same model quantized in-process."""
+    from minillm.quant import quantize_model
+
+    model, tok = real
+    quantized = quantize_model(copy.deepcopy(model), "int8")
+    prompt = "What is 2+2?"
+    expected = greedy_reply(quantized, tok, [{"role": "user", "content": prompt}], 8)
+    proc = run_cli("generate", "--prompt", prompt, "--max-tokens", "8", "--temperature", "0",
+                   "--device", "cpu", "--quantization", "int8")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == expected + "\n"
+
+
+@pytest.mark.slow
 def test_chat_keeps_the_history(real):
     model, tok = real
     turns = ["My name is Ada.", "What is my name?"]
@@ -66,6 +82,7 @@ def test_chat_keeps_the_history(real):
     ("--top-p", "0", "top_p"),
     ("--max-tokens", "0", "max_tokens"),
     ("--model", "no-such-model", "model name"),
+    ("--quantization", "int3", "quantization"),
 ])
 def test_bad_arguments_exit_2_with_one_line(flag, value, name):
     args = ["generate", "--prompt", "hi", "--device", "cpu"]

@@ -9,8 +9,8 @@ from minillm.kernels import cpu_build
 from minillm.kernels import cpu_quant_matmul as qmm
 
 from minillm.quant import Int4Linear, Int8Linear, quantize_model
-from minillm.quant.formats import dequantize_int4, quantize_int4, quantize_int8
 from minillm.quant import linear as qlinear
+from minillm.quant.formats import dequantize_int4, quantize_int4, quantize_int8
 from minillm.quant.linear import VNNI_KERNEL_ROWS, QuantGroup
 
 pytestmark = pytest.mark.skipif(not qmm.available(), reason="the CPU kernels did not build")

@@ -23,13 +23,17 @@ kernel that dequantizes on the fly:
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..device import cpu_features
-from ..kernels import cpu_quant_matmul
 from .formats import check_int4, dequantize_int4, dequantize_int8, pack_int4, quantize_int8
+
+if TYPE_CHECKING:
+    from ..kernels.cpu_quant_matmul import BoundWeight
 
 OP_DTYPE = torch.bfloat16  # what the CPU packed ops compute in
 #: up to this many rows the integer kernels run a layer, PyTorch's weight-only ops above
@@ -45,24 +49,38 @@ KERNEL_ROWS = VNNI_KERNEL_ROWS if cpu_features() & {"avx512_vnni", "avx_vnni"} \
     else dict.fromkeys(VNNI_KERNEL_ROWS, 0)
 
 
+_KERNELS = None
+
+
+def _qmm():
+    """minillm.kernels.cpu_quant_matmul, imported on first use (importing minillm imports no
+    kernel module)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from ..kernels import cpu_quant_matmul
+
+        _KERNELS = cpu_quant_matmul
+    return _KERNELS
+
+
 def _use_int_kernel(h: torch.Tensor, kind: str) -> bool:
     """A CPU input h [M, K] of at most ``KERNEL_ROWS[kind]`` float32/bfloat16 rows, K a
     multiple of the kernels' block of 32, and kernels that built here."""
     return h.device.type == "cpu" and h.shape[0] <= KERNEL_ROWS[kind] \
-        and h.shape[-1] % 32 == 0 and h.dtype in cpu_quant_matmul.DTYPES \
-        and cpu_quant_matmul.available()
+        and h.shape[-1] % 32 == 0 and h.dtype in _qmm().DTYPES \
+        and _qmm().available()
 
 
 def _int8_kernel(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] (rows contiguous) @ (scale[:, None] * q)^T -> [M, N] in x's dtype (q in the
     kernel's layout: ``cpu_quant_matmul.pack_int8``)."""
-    return cpu_quant_matmul.BoundWeight(q, scale)(x)
+    return _qmm().BoundWeight(q, scale)(x)
 
 
 def _int4_kernel(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                  mn: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W^T for the int4 operands of ``cpu_quant_matmul.pack_int4`` -> [M, N]."""
-    return cpu_quant_matmul.BoundWeight(packed, scale, mn)(x)
+    return _qmm().BoundWeight(packed, scale, mn)(x)
 
 
 # the kernels as custom ops: opaque nodes of a torch.compile graph
@@ -77,7 +95,7 @@ def _prepare_kernel(layer: Int8Linear | Int4Linear) -> None:
     """Lay a new CPU layer's weight out for the integer kernels now (a second copy of its
     bytes), so a torch.compile trace finds it ready; elsewhere it waits for a first call."""
     if layer.scale.device.type == "cpu" and layer.in_features % 32 == 0 \
-            and cpu_quant_matmul.available():
+            and _qmm().available():
         layer.kernel_operands()
 
 
@@ -133,7 +151,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.float())
         self.register_buffer("scale_op", scale.to(OP_DTYPE))
         self._kernel_q: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._bound: cpu_quant_matmul.BoundWeight | None = None
+        self._bound: BoundWeight | None = None
         _prepare_kernel(self)
 
     @classmethod
@@ -146,9 +164,9 @@ class Int8Linear(nn.Module):
     def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """minillm's integer kernel's (q in its layout, float32 scale), built once."""
         if self._kernel_q is None:
-            self._kernel_q = (cpu_quant_matmul.pack_int8(self.q),
+            self._kernel_q = (_qmm().pack_int8(self.q),
                               self.scale.float().contiguous())
-            self._bound = cpu_quant_matmul.BoundWeight(*self._kernel_q)
+            self._bound = _qmm().BoundWeight(*self._kernel_q)
         return self._kernel_q
 
     def _apply(self, fn, recurse=True):  # .to() / .cpu() / .cuda(): rebuild the layout
@@ -191,7 +209,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("in_scale", None if in_scale is None else in_scale.float())
         self._cpu_packed: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kernel_packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._bound: cpu_quant_matmul.BoundWeight | None = None
+        self._bound: BoundWeight | None = None
         _prepare_kernel(self)
 
     def codes(self) -> torch.Tensor:
@@ -216,9 +234,9 @@ class Int4Linear(nn.Module):
     def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """minillm's integer kernel's (packed, scale, mn) per block of 32, built once."""
         if self._kernel_packed is None:
-            self._kernel_packed = cpu_quant_matmul.pack_int4(self.codes(), self.scale, self.mn,
+            self._kernel_packed = _qmm().pack_int4(self.codes(), self.scale, self.mn,
                                                              self.group_size)
-            self._bound = cpu_quant_matmul.BoundWeight(*self._kernel_packed)
+            self._bound = _qmm().BoundWeight(*self._kernel_packed)
         return self._kernel_packed
 
     def _apply(self, fn, recurse=True):  # .to() / .cpu() / .cuda(): rebuild the op's packing
@@ -291,7 +309,7 @@ class QuantGroup:
         self.linears = linears
         self.rows = KERNEL_ROWS["int8" if isinstance(linears[0], Int8Linear) else "int4"]
         ops = [lin.kernel_operands() for lin in linears]
-        self.weight = cpu_quant_matmul.BoundWeight(
+        self.weight = _qmm().BoundWeight(
             *(ops[0] if len(ops) == 1 else (torch.cat(p) for p in zip(*ops))))
 
     @staticmethod
@@ -305,8 +323,8 @@ class QuantGroup:
                     else lin.packed.device.type == "cpu" for lin in linears)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.rows and x.dtype in cpu_quant_matmul.DTYPES \
-                and x.stride(-1) == 1 and cpu_quant_matmul.available():
+        if x.shape[0] <= self.rows and x.dtype in _qmm().DTYPES \
+                and x.stride(-1) == 1 and _qmm().available():
             return self.weight(x)
         ys = [lin(x) for lin in self.linears]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)

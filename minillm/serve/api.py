@@ -304,20 +304,24 @@ SERVER_MAX_NUM_SEQS = 128
 def serve(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000, *,
           api_key: str | None = None, max_queue: int = 1024, shutdown_timeout: float = 30.0,
           device: str | None = None, dtype: str | None = None, log_level: str = "info",
-          served_model_name: str | None = None, **engine_options) -> None:
-    """Load ``model`` into a :class:`minillm.LLM` and serve it until SIGINT/SIGTERM; in-flight
-    responses get ``shutdown_timeout`` seconds to finish, then they are aborted.
-    ``engine_options`` go to the engine (``max_num_seqs``: :data:`SERVER_MAX_NUM_SEQS`)."""
+          served_model_name: str | None = None, quantization: str | None = None,
+          **engine_options) -> None:
+    """Load ``model`` into a :class:`minillm.LLM` (its weights quantized by ``quantization``,
+    e.g. "int4", when given) and serve it until SIGINT/SIGTERM; in-flight responses get
+    ``shutdown_timeout`` seconds to finish, then they are aborted. ``engine_options`` go to the
+    engine (``max_num_seqs``: :data:`SERVER_MAX_NUM_SEQS`)."""
     import uvicorn
 
     from ..engine.llm import LLM
 
     engine_options.setdefault("max_num_seqs", SERVER_MAX_NUM_SEQS)
-    llm = LLM(model, device=device, dtype=dtype, **engine_options)
+    llm = LLM(model, device=device, dtype=dtype, quantization=quantization, **engine_options)
     warm = llm.engine.warmup()              # the first request would pay for it otherwise
     app = create_app(llm.engine, served_model_name or model, api_key=api_key,
                      max_queue=max_queue)
-    print(f"minillm serve: {model} ({llm.dtype}, {llm.engine.blocks.num_blocks} KV blocks, "
+    weights = f", {quantization} weights" if quantization else ""
+    print(f"minillm serve: {model} ({llm.dtype}{weights}, "
+          f"{llm.engine.blocks.num_blocks} KV blocks, "
           f"warmed up in {warm:.1f} s) on http://{host}:{port}/v1", flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level,
                 timeout_graceful_shutdown=shutdown_timeout)
