@@ -36,13 +36,19 @@ from ..cache.pool import PagedBatch
 from ..model.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
 from ..model.packed import PackedGroup, PackedLinear, can_pack_linears
 from ..model.transformer import Block, Transformer
-from ..quant.linear import QuantGroup
 
 
 def _kernels():
     from ..kernels import cpu_fused_ops, cpu_paged_attention
 
     return cpu_fused_ops, cpu_paged_attention
+
+
+def _quant_group():
+    """minillm.quant's QuantGroup (a technique on top of the core, imported when asked for)."""
+    from ..quant.linear import QuantGroup
+
+    return QuantGroup
 
 
 LINEARS = (("attn", ("wq", "wk", "wv")), ("attn", ("wo",)), ("ffn", ("w_gate", "w_up")),
@@ -74,7 +80,7 @@ def _plain_layer(b: nn.Module, model: Transformer) -> bool:
             and not hasattr(b.attn, "q_norm") and b.attn.n_heads == cfg.n_heads
             and b.attn.n_kv_heads == cfg.n_kv_heads):
         return False
-    return all(_plain_linears(lins, model) or QuantGroup.supports(lins)
+    return all(_plain_linears(lins, model) or _quant_group().supports(lins)
                for lins in (_linears(getattr(b, part), names) for part, names in LINEARS))
 
 
@@ -104,8 +110,8 @@ def _matmul_of(module: nn.Module, names: tuple[str, ...]) -> Callable[[torch.Ten
     """x [N, K] -> [N, sum of out_features]: ``module``'s linears ``names`` as one matmul
     (oneDNN's on their packed weight, or the integer kernels' for quantized linears)."""
     linears = _linears(module, names)
-    if QuantGroup.supports(linears):
-        return QuantGroup(linears)
+    if _quant_group().supports(linears):
+        return _quant_group()(linears)
     packed = _packed(module, names)
     return lambda x: _matmul(x, packed)
 
