@@ -6,7 +6,8 @@ small ones (norms, RoPE, residual adds, the cache write, SiLU) and the Python ar
 cost more than their arithmetic. :class:`CpuForward` computes the same layers over the same
 weights with each group of small ops one C++ call (:mod:`minillm.kernels.cpu_fused_ops`),
 attention the paged kernel (:mod:`minillm.kernels.cpu_paged_attention`) and the matmuls
-oneDNN's on the weights already packed, per layer:
+oneDNN's on the weights already packed (int8/int4 weights: the integer kernels through
+:class:`minillm.quant.linear.QuantGroup`), per layer:
 
     h = RMSNorm(x += delta)                  add_rms_norm (delta: the previous sublayer's output)
     q, k, v = h @ [Wq Wk Wv]                 one packed matmul

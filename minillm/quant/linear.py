@@ -150,7 +150,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("q", q.contiguous())
         self.register_buffer("scale", scale.float())
         self.register_buffer("scale_op", scale.to(OP_DTYPE))
-        self._kernel_q: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._kernel_ops: tuple[torch.Tensor, torch.Tensor] | None = None
         self._bound: BoundWeight | None = None
         _prepare_kernel(self)
 
@@ -163,14 +163,14 @@ class Int8Linear(nn.Module):
 
     def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """minillm's integer kernel's (q in its layout, float32 scale), built once."""
-        if self._kernel_q is None:
-            self._kernel_q = (_qmm().pack_int8(self.q),
+        if self._kernel_ops is None:
+            self._kernel_ops = (_qmm().pack_int8(self.q),
                               self.scale.float().contiguous())
-            self._bound = _qmm().BoundWeight(*self._kernel_q)
-        return self._kernel_q
+            self._bound = _qmm().BoundWeight(*self._kernel_ops)
+        return self._kernel_ops
 
     def _apply(self, fn, recurse=True):  # .to() / .cpu() / .cuda(): rebuild the layout
-        self._kernel_q = self._bound = None
+        self._kernel_ops = self._bound = None
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,7 +208,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("mn", mn.float().contiguous())
         self.register_buffer("in_scale", None if in_scale is None else in_scale.float())
         self._cpu_packed: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._kernel_packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._kernel_ops: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._bound: BoundWeight | None = None
         _prepare_kernel(self)
 
@@ -233,14 +233,14 @@ class Int4Linear(nn.Module):
 
     def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """minillm's integer kernel's (packed, scale, mn) per block of 32, built once."""
-        if self._kernel_packed is None:
-            self._kernel_packed = _qmm().pack_int4(self.codes(), self.scale, self.mn,
-                                                             self.group_size)
-            self._bound = _qmm().BoundWeight(*self._kernel_packed)
-        return self._kernel_packed
+        if self._kernel_ops is None:
+            self._kernel_ops = _qmm().pack_int4(self.codes(), self.scale, self.mn,
+                                                self.group_size)
+            self._bound = _qmm().BoundWeight(*self._kernel_ops)
+        return self._kernel_ops
 
     def _apply(self, fn, recurse=True):  # .to() / .cpu() / .cuda(): rebuild the op's packing
-        self._cpu_packed = self._kernel_packed = self._bound = None
+        self._cpu_packed = self._kernel_ops = self._bound = None
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -307,7 +307,7 @@ class QuantGroup:
             raise ValueError("linears must be all Int8Linear or all Int4Linear without "
                              "in_scale, with in_features a multiple of 32")
         self.linears = linears
-        self.rows = KERNEL_ROWS["int8" if isinstance(linears[0], Int8Linear) else "int4"]
+        self.kind = "int8" if isinstance(linears[0], Int8Linear) else "int4"
         ops = [lin.kernel_operands() for lin in linears]
         self.weight = _qmm().BoundWeight(
             *(ops[0] if len(ops) == 1 else (torch.cat(p) for p in zip(*ops))))
@@ -323,8 +323,7 @@ class QuantGroup:
                     else lin.packed.device.type == "cpu" for lin in linears)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.rows and x.dtype in _qmm().DTYPES \
-                and x.stride(-1) == 1 and _qmm().available():
+        if _use_int_kernel(x, self.kind) and x.stride(-1) == 1:
             return self.weight(x)
         ys = [lin(x) for lin in self.linears]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
