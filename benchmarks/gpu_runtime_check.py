@@ -59,16 +59,19 @@ def main() -> None:
               "model": f"{name} (random weights)"}
     report["correctness"] = correctness(name, dev, cuda)
     print(report["correctness"], flush=True)
+    write_json(report, args.out)  # each part is saved as it ends: a timeout keeps the rest
     configs = GPU_CONFIGS if cuda else ("fp32", "fp32+compile")
     bench = run_runtime_bench(name, configs, prompt_len=128, new_tokens=64, repeats=3,
                               device=dev, llama=False, log=print, random_weights=True)
     report["batch_1"] = bench["results"]
     print(report["batch_1"], flush=True)
+    write_json(report, args.out)
     sizes = [1, 2, 3, 4, 8, 13, 16, 32, 64] if cuda else [1, 2]
     sweep_cfg = [parse_config("bf16+graphs" if cuda else "fp32")]
     prompt = list(range(5, 133))
     report["batch_sweep"] = batch_sweep(name, sweep_cfg, sizes, prompt, 16, 3, dev, print,
                                         random_weights=True)
+    write_json(report, args.out)
     model, _ = load_model(name, device=dev, dtype=torch.bfloat16 if cuda else torch.float32,
                           random_weights=True)
     prof = profile_decode(model, prompt_len=128, steps=8)
