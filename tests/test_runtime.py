@@ -138,6 +138,9 @@ def test_engine_step_profile_sees_one_batched_attention_per_layer(tiny):
 def test_categorize():
     assert categorize("aten::mm") == "matmul"
     assert categorize("aten::_weight_int4pack_mm_for_cpu") == "matmul"
+    # cuBLAS's Hopper kernel, as the H200 profile named it (benchmarks/results/runtime_gpu.json)
+    assert categorize("nvjet_sm90_tst_8x64_64x16_4x1_v_bz_TNN") == "matmul"
+    assert categorize("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
     assert categorize("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert categorize("aten::rsqrt") == "norm/elementwise"
     assert categorize("aten::index_select") == "copy/index"

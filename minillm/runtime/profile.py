@@ -24,7 +24,9 @@ from ..model.transformer import Transformer
 #: substrings of operator or kernel names, checked in this order
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("attention", "flash", "softmax", "fmha")),
-    ("matmul", ("mm", "gemm", "gemv", "matmul", "linear", "int4pack", "int8pack", "cutlass")),
+    # nvjet / xmma: cuBLAS's GEMM kernels on Hopper (their names say neither gemm nor mm)
+    ("matmul", ("mm", "gemm", "gemv", "matmul", "linear", "int4pack", "int8pack", "cutlass",
+                "nvjet", "xmma")),
     ("copy/index", ("copy", "index", "slice", "select", "view", "transpose", "as_strided",
                     "cat", "embedding", "empty", "expand", "reshape", "contiguous", "_to",
                     "scatter", "gather", "memcpy", "memset", "unsqueeze", "clone", "item")),
