@@ -66,8 +66,10 @@ def main() -> None:
     configs = GPU_CONFIGS if cuda else ("fp32", "fp32+compile")
     bench = run_runtime_bench(name, configs, prompt_len=128, new_tokens=64, repeats=3,
                               device=dev, llama=False, log=print, random_weights=True)
-    report["batch_1"] = bench["results"]
-    print(report["batch_1"], flush=True)
+    # the CPU report's keys, so that runtime_table and plot_runtime read this one too
+    report.update({k: bench[k] for k in ("prompt_len", "new_tokens", "repeats", "method",
+                                         "results")})
+    print(report["results"], flush=True)
     write_json(report, args.out)
     sizes = [1, 2, 3, 4, 8, 13, 16, 32, 64] if cuda else [1, 2]
     sweep_cfg = [parse_config("bf16+graphs" if cuda else "fp32")]
@@ -79,6 +81,7 @@ def main() -> None:
                           random_weights=True)
     prof = profile_decode(model, prompt_len=128, steps=8)
     report["profile"] = {"step_ms": prof.step_ms, "by_category": prof.by_category(),
+                         "launches_per_step": prof.launches_per_step(),
                          "top": prof.rows[:12]}
     print(prof.table(), flush=True)
     print(f"wrote {write_json(report, args.out)}")
