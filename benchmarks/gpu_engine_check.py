@@ -111,7 +111,8 @@ def main() -> None:
                                  num_requests=n, random_weights=True, peers=("hf",),
                                  hf_batch=32 if dev.type == "cuda" else 2)
     report["throughput"] = {k: bench[k] for k in ("results", "ratios", "minillm_stats",
-                                                  "output_tokens", "prompt_tokens", "dtype")}
+                                                  "minillm_step_profile", "output_tokens",
+                                                  "prompt_tokens", "dtype")}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")

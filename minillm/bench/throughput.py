@@ -124,7 +124,9 @@ def profile_minillm(model, tok, work: Workload, steps: int = 5, **options) -> di
     waits or prefills, time ``steps`` decode steps, then profile ``steps`` more
     (:func:`profile_engine_steps`; the profiler's own overhead would inflate the wall time).
     Milliseconds per step by operator category; ``python_ms`` is the wall time per step that no
-    operator accounts for (scheduling, metadata, sampling, detokenizing). None if the workload
+    operator accounts for (scheduling, metadata, sampling, detokenizing); on a GPU, where the
+    operators are timed as device kernels, it is the time the GPU sits idle, which adds the
+    launching of every kernel. None if the workload
     finishes before every request it can batch is decoding, or before the profile."""
     from ..runtime import profile_engine_steps
 
@@ -232,7 +234,8 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
     if step_profile:
         say(f"minillm decode step at batch {step_profile['batch']}: "
             f"{step_profile['wall_ms_per_step']:.1f} ms, {step_profile['ms_by_category']}, "
-            f"outside operators {step_profile['python_ms']:.1f} ms")
+            f"{'GPU idle' if dev.type == 'cuda' else 'outside operators'} "
+            f"{step_profile['python_ms']:.1f} ms")
     if "hf" in peers:
         if random_weights:
             from ..checkpoint.hf_interop import to_hf_model
