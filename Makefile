@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm lab test test-fast solutions notebooks bench drafters lint clean
+.PHONY: setup setup-vllm lab test test-fast soak solutions notebooks bench drafters lint clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,11 @@ test: setup
 
 test-fast: setup
 	$(BIN)/python -m pytest tests -q -m "not slow"
+
+# The property tests (hypothesis) with random seeds and 10x the examples CI draws (CI's seed is
+# fixed: tests/properties.py). Run it before you stop; a failure prints the example to replay.
+soak: setup
+	MINILLM_HYPOTHESIS=soak MINILLM_SOAK_FACTOR=10 $(BIN)/python -m pytest tests -q -m hypothesis
 
 # The teacher's key: every exercise checker run against its reference solution
 # (minillm/labs/solutions/, one module per chapter).

@@ -7,11 +7,27 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from properties import load_profile  # noqa: E402
+
 # Triton reads its interpreter switch when it is first imported, and loading the model may
 # import it: switch it on (no GPU) before any test or fixture runs.
 from minillm.device import setup_triton  # noqa: E402
 
 setup_triton()
+load_profile()    # hypothesis: a fixed seed in CI, random seeds under `make soak`
+
+
+@pytest.fixture(scope="session", autouse=True)
+def plans_keep_their_limits():
+    """Every plan any scheduler makes during the session is checked against its token budget
+    and sequence limit (``plan_limits``); a plan over either fails the test that made it."""
+    from plan_limits import checked
+
+    from minillm.engine.scheduler import Scheduler
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Scheduler, "schedule", checked(Scheduler.schedule))
+        yield
 
 
 @pytest.fixture(scope="session")

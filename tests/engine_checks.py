@@ -10,11 +10,14 @@ from minillm.config import get_preset
 from minillm.engine import LLMEngine
 
 
-def sharp_model(dtype=torch.float64, max_seq_len: int = 4096, seed: int = 3):
+def sharp_model(dtype=torch.float64, max_seq_len: int = 4096, seed: int = 3,
+                vocab_size: int | None = None):
     """The tiny preset's shape with a long window and the attention weights x 4 (q and k:
     peaked attention; v and o: what attention reads outweighs the token's own embedding), so
-    that a wrong KV cache changes the greedy tokens (``test_context_matters``)."""
-    model = random_model(get_preset("tiny").with_(max_seq_len=max_seq_len), seed)
+    that a wrong KV cache changes the greedy tokens (``test_context_matters``). ``vocab_size``
+    (default: the preset's) shrinks the vocabulary for a faster step."""
+    cfg = get_preset("tiny").with_(max_seq_len=max_seq_len)
+    model = random_model(cfg.with_(vocab_size=vocab_size) if vocab_size else cfg, seed)
     with torch.no_grad():
         for layer in model.layers:
             for w in (layer.attn.wq, layer.attn.wk, layer.attn.wv, layer.attn.wo):

@@ -16,6 +16,7 @@ import torch
 from engine_checks import assert_all_free, prompts_of, run_all, sharp_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from properties import examples
 
 from minillm import SamplingParams
 from minillm.cache import offload
@@ -104,7 +105,7 @@ def test_a_damaged_entry_is_rejected():
 
 
 # ---- tiers ---------------------------------------------------------------------------------
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(st.lists(st.tuples(st.integers(0, 9), st.integers(1, 6), st.booleans()), max_size=40),
        st.integers(4, 40))
 def test_memory_tier_keeps_its_cap_and_evicts_lru(ops, capacity):

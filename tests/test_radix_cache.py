@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from properties import examples
 
 from minillm.cache.radix import RadixPrefixCache, TokenRadixTree
 
@@ -54,7 +55,7 @@ def _reference_match(seqs: list[tuple], query: tuple) -> int:
 tokens3 = st.lists(st.integers(0, 2), max_size=7).map(tuple)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300))
 @given(st.lists(tokens3, max_size=8), st.lists(tokens3, max_size=6))
 def test_token_tree_against_brute_force(seqs, queries):
     tree, seen = TokenRadixTree(), []
@@ -251,7 +252,7 @@ ops = st.one_of(
 )
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500))
 @given(st.lists(ops, min_size=10, max_size=60))
 def test_cache_against_brute_force_model(steps):
     cache, model = RadixPrefixCache(BS), Model(BS)

@@ -143,6 +143,34 @@ def test_draws_follow_the_filtered_softmax(t, k, p, seeded):
                                torch.tensor([want]), rtol=0, atol=1e-6)
 
 
+def test_top_k_rows_with_different_k_each_keep_their_own_top_k():
+    """Rows with top-k 1, 3, 6 and 12 (no top-p, so the top-k-only path runs) and a greedy row:
+    each sampled row draws only from its own k largest logits (float64 ranking) and, over 600
+    draws, from every one of them; its filtered distribution equals the float64 reference."""
+    ks = [3, 12, 1, 6]
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(len(ks) + 1, 40, generator=g, dtype=torch.float64)
+    params = [SamplingParams(temperature=1.0, top_k=k) for k in ks]
+    params.append(SamplingParams(temperature=0.0, top_k=2))
+    batch = batch_of(params, [None] * len(params))
+    assert batch.top_k_only == max(ks)                  # the path under test is taken
+    want = [ref_distribution(logits[i].tolist(), 1.0, k, 1.0) for i, k in enumerate(ks)]
+    probs = filtered_probs(logits.float(), batch)
+    torch.testing.assert_close(probs[:len(ks)], torch.tensor(want, dtype=torch.float32),
+                               rtol=0, atol=1e-6)
+    draws = 600
+    torch.manual_seed(0)
+    rows = logits.float().repeat_interleave(draws, dim=0)
+    out = sample_rows(rows, batch_of([p for p in params for _ in range(draws)],
+                                     [None] * (len(params) * draws)))
+    for i, k in enumerate(ks):
+        top_k = set(logits[i].argsort(descending=True)[:k].tolist())
+        seen = set(out.token_ids[i * draws:(i + 1) * draws])
+        assert seen == top_k, f"row {i} (top_k={k}): drew {sorted(seen)}, top-k {sorted(top_k)}"
+    greedy = out.token_ids[len(ks) * draws:]
+    assert set(greedy) == {int(logits[len(ks)].argmax())}
+
+
 def test_top_p_always_keeps_at_least_one_token():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [10.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 0.5]])
     params = [SamplingParams(temperature=1.0, top_p=1e-6)] * 3

@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.spec import greedy_accept, prompt_lookup, rejection_accept, residual, tree_accept
+from minillm.spec import (
+    greedy_accept,
+    greedy_tree_accept,
+    prompt_lookup,
+    rejection_accept,
+    residual,
+    tree_accept,
+)
 
 V = 6
 ROUNDS = 20_000
@@ -127,3 +134,84 @@ def test_prompt_lookup_copies_the_continuation_of_the_latest_match():
     assert prompt_lookup([1, 2, 3, 4], k=3) == []
     with pytest.raises(ValueError, match="k must be"):
         prompt_lookup(seq, k=0)
+
+
+# ---- the token after a fully accepted draft ------------------------------------------------
+def one_hot(token: int) -> torch.Tensor:
+    out = torch.zeros(V, dtype=torch.float64)
+    out[token] = 1.0
+    return out
+
+
+def mirrored(row: torch.Tensor) -> torch.Tensor:
+    """``row``'s probabilities in reverse token order, sharpened: a distribution far from it
+    (the tests assert how far)."""
+    r = row.flip(0).pow(4)
+    return r / r.sum()
+
+
+def test_the_bonus_token_after_a_whole_chain_comes_from_the_last_row():
+    """One-hot target rows and q == p on the draft rows: the chain is always accepted and the
+    bonus token is exactly p[k]'s token, for every chain length k (rows k - 1 and k differ)."""
+    g = torch.Generator().manual_seed(0)
+    for k in (1, 2, 3, 5):
+        want = [(2 * i + 1) % V for i in range(k + 1)]          # consecutive rows differ
+        p = torch.stack([one_hot(t) for t in want])
+        assert rejection_accept(want[:k], p[:k], p, g) == (k, want[k])
+        assert greedy_accept(want[:k], want) == (k, want[k])
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_the_bonus_token_follows_the_last_row_in_distribution(k):
+    """q == p on the draft rows (always accepted); p[k] puts its mass where p[k - 1] has almost
+    none: over 4,000 rounds the bonus tokens follow p[k] (TV within 0.05; standard error about
+    0.01), and are far from p[k - 1]."""
+    rows = [dist(20 + i, sharp=2.0) for i in range(k)]
+    p = torch.stack(rows + [mirrored(rows[-1])])
+    assert 0.5 * float((p[k] - p[k - 1]).abs().sum()) > 0.5
+    g = torch.Generator().manual_seed(k)
+    counts = torch.zeros(V, dtype=torch.float64)
+    drafts = torch.multinomial(p[:k], 4000, replacement=True, generator=g).T.tolist()
+    for draft in drafts:
+        a, token = rejection_accept(draft, p[:k], p, g)
+        assert a == k
+        counts[token] += 1
+    assert tv(counts, p[k]) < 0.05
+    assert tv(counts, p[k - 1]) > 0.4
+
+
+# A tree whose accepted path runs 0 -> 2 -> 5 -> 6: node ids are not depths, and every node on
+# the way has a sibling that is not taken.
+TREE = {0: [1, 2], 2: [3, 4, 5], 5: [6], 1: [7]}
+TREE_TOKENS = [0, 1, 2, 3, 4, 5, 0, 3]           # token of each node
+
+
+def test_tree_rules_take_the_bonus_token_from_the_last_accepted_node():
+    """Target rows one-hot on the path's tokens (each node's row names its child on the path),
+    and the leaf's row on a token no row before it names: both tree rules accept the whole
+    path and emit the leaf's token."""
+    follow = {0: 2, 2: 5, 5: 0, 6: 4}               # node -> the token the target wants next
+    argmax = [follow.get(n, 1) for n in range(len(TREE_TOKENS))]
+    path, token = [2, 5, 6], 4
+    assert greedy_tree_accept(TREE, TREE_TOKENS, argmax) == (path, token)
+    p = torch.stack([one_hot(t) for t in argmax])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        assert tree_accept(TREE, TREE_TOKENS, None, p, g) == (path, token)
+        assert tree_accept(TREE, TREE_TOKENS, p, p, g) == (path, token)   # q == p as well
+
+
+def test_tree_bonus_token_follows_the_leafs_row_in_distribution():
+    """A chain tree 0 -> 1 -> 2 drafted from q == p (always accepted): over 4,000 rounds the
+    token after the leaf follows p[2], far from its parent's row p[1]."""
+    row = dist(30, sharp=2.0)
+    p = torch.stack([one_hot(3), row, mirrored(row)])
+    assert 0.5 * float((p[2] - p[1]).abs().sum()) > 0.5
+    g = torch.Generator().manual_seed(5)
+    counts = torch.zeros(V, dtype=torch.float64)
+    for t1 in torch.multinomial(p[1], 4000, replacement=True, generator=g).tolist():
+        path, token = tree_accept({0: [1], 1: [2]}, [0, 3, t1], p, p, g)
+        assert path == [1, 2]
+        counts[token] += 1
+    assert tv(counts, p[2]) < 0.05
+    assert tv(counts, p[1]) > 0.4

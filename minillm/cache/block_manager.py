@@ -17,8 +17,9 @@ The device pool (:mod:`minillm.cache.pool`) is an array of ``num_blocks`` blocks
 Invariants (``check``): a block's reference count equals the number of tables holding it; a block
 is on the free list exactly when its count is 0; every table holds at least
 ``ceil(filled / block_size)`` blocks, where ``filled`` counts the sequence's token slots; the
-tables sharing a block use the same slots of it (writes and truncations copy first), so the slots
-in use are kept as a running count.
+slots of a block in use are the most that any table holding it uses (writes into a shared block
+copy it first; a truncation only forgets, which leaves the readers of a shared block using
+different slots of it: a *ragged* block), kept as a running count.
 """
 from __future__ import annotations
 
@@ -102,6 +103,8 @@ class BlockManager:
         self.fill = [0] * num_blocks                # device block -> its slots holding K/V
         self.slots = 0                              # sum of fill: slots in use, O(1) to read
         self.holds: set[int] = set()                # seq ids whose blocks outlive free()
+        self.ragged: set[int] = set()               # shared blocks whose readers use
+        #                                             different slots (after a truncation)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -145,11 +148,17 @@ class BlockManager:
     # ---- prefix caching --------------------------------------------------------------------
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """Cached blocks holding the KV of the start of ``token_ids``: whole blocks only, and
-        never the last token (its logits must be computed)."""
+        never the last token (its logits must be computed). A cache whose answer breaks the
+        :class:`~.prefix.PrefixCache` contract raises :class:`~.prefix.PrefixCacheError`
+        before any block is taken."""
+        from .prefix import check_match
+
         if self.prefix is None:
             return []
         usable = (len(token_ids) - 1) // self.block_size * self.block_size
-        return self.prefix.match(token_ids[:usable])
+        hit = self.prefix.match(token_ids[:usable])
+        check_match(self.prefix, hit, usable // self.block_size, self.num_blocks)
+        return list(hit)
 
     def allocate_cached(self, seq_id: int, token_ids: list[int], num_tokens: int) -> int:
         """Like ``allocate(seq_id, num_tokens)``, but the blocks of the longest cached prefix of
@@ -213,8 +222,8 @@ class BlockManager:
         copies = []
         for i in self._shared_blocks_written(table, filled, num_tokens):
             src, dst = table[i], self.device.take()
-            self._release(src)
             table[i] = dst
+            self._release(src)
             copies.append((src, dst))
         while len(table) < blocks_for(num_tokens, self.block_size):
             table.append(self.device.take())
@@ -238,10 +247,21 @@ class BlockManager:
         self.fill[block] = n
 
     def _release(self, block: int) -> None:
-        """Drop one reference to a device block; an unreferenced block holds nothing."""
+        """Drop one reference to a device block (the caller has taken it out of the table);
+        an unreferenced block holds nothing."""
         self.device.release(block)
+        self._refill(block)
+
+    def _refill(self, block: int) -> None:
+        """Bring a block's fill up to date after a reader let go of it: 0 when nobody reads
+        it; for a ragged block (readers using different slots), the most any reader uses."""
         if self.device.ref[block] == 0:
             self._set_fill(block, 0)
+            self.ragged.discard(block)
+        elif block in self.ragged:
+            self._set_fill(block, self._fill_by_readers(block))
+            if self.device.ref[block] == 1:
+                self.ragged.discard(block)
 
     def _shared_blocks_written(self, table: list[int], filled: int, num_tokens: int) -> list[int]:
         """Logical indices of existing shared blocks that slots [filled, num_tokens) fall in."""
@@ -250,25 +270,34 @@ class BlockManager:
         first, last = filled // self.block_size, (num_tokens - 1) // self.block_size
         return [i for i in range(first, min(last + 1, len(table))) if self.device.ref[table[i]] > 1]
 
-    def truncate(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Forget slots past ``num_tokens`` (rolled-back tokens); whole blocks past it are freed.
-        Cutting inside a block that other tables share gives this sequence its own copy (they
-        still need the slots it forgets): the (src, dst) copy is returned for the runner."""
+        Never takes a block: a cut inside a block that other tables share leaves it shared
+        (they still need the slots this sequence forgets), and this sequence's next write
+        there gets its own copy from :meth:`reserve`, which the scheduler counts
+        (:meth:`blocks_to_reserve`)."""
         table, filled = self.tables[seq_id], self.filled[seq_id]
+        if not 0 <= num_tokens <= filled:
+            raise ValueError(f"num_tokens must be in [0, {filled}], got {num_tokens}")
         keep = blocks_for(num_tokens, self.block_size)
-        for block in table[keep:]:
-            self._release(block)
+        gone = table[keep:]
         del table[keep:]
-        self.filled[seq_id] = min(filled, num_tokens)
-        copies = []
+        for block in gone:
+            self._release(block)
+        self.filled[seq_id] = num_tokens
         if keep and self._used(num_tokens, keep - 1) < self._used(filled, keep - 1):
-            if self.device.ref[table[-1]] > 1:
-                src, dst = table[-1], self.device.take()
-                self._release(src)
-                table[-1] = dst
-                copies.append((src, dst))
-            self._set_fill(table[-1], self._used(self.filled[seq_id], keep - 1))
-        return copies
+            last = table[-1]
+            if self.device.ref[last] > 1:      # its readers now use different slots of it
+                self.ragged.add(last)
+                self._set_fill(last, self._fill_by_readers(last))
+            else:
+                self._set_fill(last, self._used(num_tokens, keep - 1))
+
+    def _fill_by_readers(self, block: int) -> int:
+        """Slots of ``block`` in use: the most that any table holding it uses (a scan of the
+        tables, done only for ragged blocks)."""
+        return max((self._used(self.filled[s], i) for s, table in self.tables.items()
+                    for i, b in enumerate(table) if b == block), default=0)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (reference counts go up, nothing copied)."""
@@ -322,8 +351,7 @@ class BlockManager:
         a block shared inside the group is copied once and stays shared."""
         pairs = self._move(seq_ids, self.tables, self.cpu_tables, self.device, self.cpu)
         for block, _ in pairs:
-            if self.device.ref[block] == 0:
-                self._set_fill(block, 0)
+            self._refill(block)
         return pairs
 
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:

@@ -92,7 +92,7 @@ class PagedDrafter:
                 raise RuntimeError(f"drafter has no cache for sequence {sid} but was asked to "
                                    f"continue it from position {first}")
             b.allocate(sid, 0)
-        self.pool.copy_blocks(b.truncate(sid, min(first, b.filled[sid])))
+        b.truncate(sid, min(first, b.filled[sid]))
         self.pool.copy_blocks(b.reserve(sid, total))
 
     def length(self, sid: int) -> int:
