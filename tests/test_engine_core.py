@@ -18,7 +18,9 @@ import minillm
 from minillm import SamplingParams
 from minillm.config import get_preset
 from minillm.engine import EngineConfig, LLMEngine
+from minillm.engine.output_processor import OutputProcessor
 from minillm.engine.scheduler import ScheduledSeq, SchedulerOutput
+from minillm.engine.sequence import Draft
 from minillm.generate import generate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -156,7 +158,7 @@ def one_step(engine: LLMEngine, seq, n: int, **kw):
     """Run ``n`` tokens of ``seq`` (blocks already reserved) through the runner directly."""
     plan = SchedulerOutput(seqs=[ScheduledSeq(seq, n)])
     engine.blocks.reserve(seq.seq_id, seq.num_computed + n)
-    result = engine.runner.execute(plan, engine.blocks.tables, **kw)
+    result = engine.runner.forward(plan, engine.blocks.tables, **kw)
     seq.num_computed += n
     return result
 
@@ -213,33 +215,44 @@ def test_tree_mask_node_logits_equal_their_paths(sharp):
     assert_all_free(engine)
 
 
+class FixedVerdict:
+    """A speculator that drafts nothing and accepts a fixed path of nodes, then a fixed token
+    (the engine's verification seam, driven by hand)."""
+
+    hidden_layers = ()
+    max_draft_tokens = 5
+
+    def __init__(self, path: list[int], bonus: int) -> None:
+        self.path, self.bonus = path, bonus
+
+    def propose(self, inputs, hidden):
+        return [None] * len(inputs)
+
+    def verify(self, seq, draft, logits, params, generator):
+        return self.path, self.bonus
+
+    def fork(self, parent_id, child_id) -> None: ...
+
+    def release(self, seq_id) -> None: ...
+
+
 def test_rollback_and_compaction_keep_the_accepted_tokens(sharp):
-    """Verify 6 tree nodes, accept the path 0 -> 2 -> 5, move its K/V into place, truncate the
-    rest (freed blocks poisoned), then decode on: the same tokens as the accepted sequence run
-    alone from scratch."""
-    engine = LLMEngine(sharp, None, EngineConfig(num_kv_blocks=60, block_size=4, watermark=0))
+    """A step verifies 6 tree nodes and accepts the path 0 -> 2 -> 5: the runner moves its
+    K/V into place, the update truncates the rest (freed blocks then poisoned), and decoding
+    goes on with the same tokens as the accepted sequence run alone from scratch."""
+    bonus = prompts_of([1], seed=7)[0][0]
+    engine = LLMEngine(sharp, None, EngineConfig(num_kv_blocks=60, block_size=4, watermark=0),
+                       speculator=FixedVerdict([2, 5], bonus))
     rid, seq = start_request(engine, prompts_of([10])[0])
     ctx = seq.num_tokens - 1
     nodes = [seq.token_ids[-1]] + prompts_of([5], seed=6)[0]
-    parent = [-1, 0, 0, 1, 1, 2]
-    mask = torch.eye(6, dtype=torch.bool)
-    for i in range(6):
-        j = parent[i]
-        while j >= 0:
-            mask[i, j] = True
-            j = parent[j]
-    seq.token_ids[-1:] = nodes
-    depth = (mask.sum(1) - 1).tolist()
-    one_step(engine, seq, 6, masks={seq.seq_id: mask},
-             positions={seq.seq_id: [ctx + d for d in depth]})
-    accepted = [0, 2, 5]
-    engine.move_kv(seq, [ctx + i for i in accepted], [ctx + k for k in range(len(accepted))])
-    seq.token_ids[ctx:] = [nodes[i] for i in accepted] + nodes[len(accepted):]
-    engine.truncate(seq, ctx + len(accepted))
+    seq.attach_draft(Draft(nodes[1:], [0, 0, 1, 1, 2]))
+    engine.step()
+    assert seq.token_ids[ctx:] == [nodes[0], nodes[2], nodes[5], bonus]
+    assert seq.num_computed == ctx + 3 and engine.blocks.filled[seq.seq_id] == ctx + 3
     free = list(engine.blocks.device.free)
     engine.runner.pool.k[:, free] = 1e4
     engine.runner.pool.v[:, free] = 1e4
-    seq.token_ids.append(prompts_of([1], seed=7)[0][0])   # next token to feed
     base = list(seq.token_ids)
     out = []
     while len(out) < 5:
@@ -439,9 +452,7 @@ def test_real_model_streams_multibyte_text(real):
     """The real model asked for emoji and Japanese: the stream holds no broken character and
     joins to generate()'s text."""
     model, tok = real
-    llm = minillm.LLM.__new__(minillm.LLM)           # the already-loaded model, no reload
-    llm.model, llm.tokenizer, llm._inbox = model, tok, {}
-    llm.engine = LLMEngine(model, tok, EngineConfig(num_kv_blocks=64))
+    llm = OutputProcessor(LLMEngine(model, tok, EngineConfig(num_kv_blocks=64)))  # LLM's loops
     prompt = tok.apply_chat_template([{"role": "user", "content":
                                        "Say 'good morning' in Japanese and add two emoji."}],
                                      add_generation_prompt=True)
@@ -474,17 +485,24 @@ def test_static_buffers_give_the_same_tokens_at_fixed_addresses(sharp):
     (what CUDA graph replay needs): same outputs as fresh tensors, same addresses every step."""
     prompts = prompts_of([7, 30, 12])
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    from minillm.attention.paged import default_paged_backend, get_paged_backend
+
     plain = run_all(LLMEngine(sharp, None, EngineConfig(num_kv_blocks=60)), prompts, params)
-    engine = LLMEngine(sharp, None, EngineConfig(num_kv_blocks=60, static_buffers=True))
     seen = set()
-    original = engine.runner.attn
 
-    def spy(q, k, v, k_cache, v_cache, meta):
-        seen.add((meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
-                  meta.seq_lens.data_ptr()))
-        return original(q, k, v, k_cache, v_cache, meta)
+    class Spy:
+        """The default backend, noting where each call's metadata lives."""
+        name, cpu_fast_path = "spy", False
+        inner = get_paged_backend(default_paged_backend(sharp.device, sharp.dtype))
+        reads_direct = inner.reads_direct
 
-    engine.runner.attn = spy
+        def __call__(self, q, k, v, k_cache, v_cache, meta):
+            seen.add((meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
+                      meta.seq_lens.data_ptr()))
+            return self.inner(q, k, v, k_cache, v_cache, meta)
+
+    engine = LLMEngine(sharp, None, EngineConfig(num_kv_blocks=60, static_buffers=True,
+                                                 attention_backend=Spy()))
     fixed = run_all(engine, prompts, params)
     assert [o.token_ids for o in fixed] == [o.token_ids for o in plain]
     buffers = engine.runner.buffers

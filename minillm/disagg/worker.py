@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from ..cache.block_manager import blocks_for
 from ..config import SamplingParams
-from ..engine.engine import EngineConfig, LLMEngine
+from ..engine.config import EngineConfig
+from ..engine.engine import LLMEngine
 from ..engine.scheduler import SchedulerOutput
 from ..engine.sequence import new_seq_id
 from .transfer import (

@@ -1,9 +1,13 @@
 """What the engine hands back (vLLM's names): per-request outputs, metrics and engine stats."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
-from .sequence import Metrics
+from ..cache.block_manager import BlockManager
+from .plan import RunnerOutput, SchedulerOutput
+from .policies import beam_score
+from .sequence import Metrics, Request
 
 
 @dataclass
@@ -34,6 +38,7 @@ class RequestOutput:
     finished: bool
     metrics: Metrics
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    error: str | None = None      # why the request failed (finish_reason "error"), if it did
 
     @property
     def text(self) -> str:
@@ -96,3 +101,40 @@ class EngineStats:
     def kv_waste(self) -> float:
         """Fraction of allocated slots that hold nothing (reserved or the tail of a block)."""
         return 1 - self.slots_used / max(1, self.blocks_used * self.block_size)
+
+
+def request_output(req: Request) -> RequestOutput:
+    """The request's completions now: samples in the order they were forked (so ``index`` i
+    is the same sample in every output of a stream), or the n best beams. Each carries the
+    text that is new since the last output (``text_delta``), which is then cleared."""
+    seqs = req.done + req.seqs
+    if req.params.use_beam_search:
+        seqs = sorted(seqs, key=lambda s: beam_score(req, s), reverse=True)
+    else:
+        seqs = sorted(seqs, key=lambda s: s.seq_id)
+    outs = []
+    for i, s in enumerate(seqs[:max(1, req.params.n)]):
+        text = s.detok.text if s.detok is not None else ""
+        outs.append(CompletionOutput(
+            i, text, s.output_ids,
+            s.cumulative_logprob if req.params.use_beam_search else None, s.finish_reason,
+            s.delta, list(s.logprobs) if req.params.logprobs else None))
+    for s in seqs:
+        s.delta = ""
+    return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished,
+                         req.metrics, list(req.prompt_logprobs)
+                         if req.params.prompt_logprobs is not None else None, req.error)
+
+
+def step_record(index: int, plan: SchedulerOutput, out: RunnerOutput, start: float,
+                scheduled: dict[str, int], drafted: int, blocks: BlockManager) -> StepRecord:
+    """The :class:`StepRecord` of a step that started at ``start`` (perf_counter seconds) and
+    ends now: a sequence that computed one token, or verified a draft, counts as a decode."""
+    spec = {sid for sid, samples in out.samples.items() if samples[0].path is not None}
+    prefill = sum(w.num_tokens for w in plan.seqs
+                  if w.num_tokens > 1 and w.seq.seq_id not in spec)
+    decode = sum(w.num_tokens == 1 or w.seq.seq_id in spec for w in plan.seqs)
+    return StepRecord(index, start, time.perf_counter(), [r.request_id for r in plan.requests],
+                      prefill, decode, blocks.num_used, blocks.slots_in_use(),
+                      [r.request_id for r in plan.preempted], scheduled, len(plan.swap_out),
+                      len(plan.swap_in), len(plan.copies), out.move_seconds, drafted)

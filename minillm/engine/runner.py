@@ -1,10 +1,12 @@
 """The model runner: the only device-aware part of the engine.
 
-Each step it performs the scheduler's block moves, packs the scheduled tokens of every sequence
-into one flat batch (token ids, positions, slot mapping, block tables), runs the model once over
-it through the paged KV pool, and returns what the caller asked for: the logits at each
-completing sequence's last row (or at every row of chosen sequences: a verification), and on
-request the hidden states of chosen layers, all from the one forward pass.
+``execute(plan)`` is one step's device work: the plan's KV moves, then :meth:`forward` (the
+scheduled tokens of every sequence packed into one flat batch: token ids, positions, slot
+mapping, block tables; the model run once over it through the paged KV pool; the logits at each
+completing sequence's last row, or at every row of a drafted sequence or one collecting prompt
+logprobs; the hidden states a drafter reads), then sampling and verification
+(:class:`~.step_sampler.StepSampler`). It returns a :class:`~.plan.RunnerOutput` and writes no
+sequence: :meth:`~.scheduler.Scheduler.update_from_output` applies it.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention.paged import (
-    DIRECT_BACKENDS,
+    PagedAttentionBackend,
     StepBuffers,
     batch_order,
     build_metadata,
@@ -26,7 +28,9 @@ from ..cache.pool import PagedBatch, PagedKVPool
 from ..model.packed import can_pack_linears, pack_linears
 from ..model.transformer import Transformer
 from .cpu_forward import CpuForward
-from .scheduler import ScheduledSeq, SchedulerOutput
+from .plan import RunnerOutput, ScheduledSeq, SchedulerOutput
+from .speculation import tree_inputs
+from .step_sampler import StepSampler, collects_prompt_logprobs
 
 
 @dataclass
@@ -52,10 +56,16 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int,
-                 num_cpu_blocks: int = 0, attention_backend: str = "sdpa",
+                 num_cpu_blocks: int = 0,
+                 attention_backend: str | PagedAttentionBackend = "sdpa",
                  pack: bool | None = None, max_rows: int = 4096, max_seqs: int = 256,
-                 static_buffers: bool | None = None) -> None:
-        """``static_buffers`` (None: on CUDA) copies every step's inputs and metadata into
+                 static_buffers: bool | None = None,
+                 tables: Mapping[int, list[int]] | None = None) -> None:
+        """``attention_backend``: a name or a
+        :class:`~minillm.attention.paged.PagedAttentionBackend` (``self.attn``; its name is
+        ``self.attention_backend``). ``tables``: the block manager's block tables (read, never
+        written).
+        ``static_buffers`` (None: on CUDA) copies every step's inputs and metadata into
         tensors allocated once (:class:`~minillm.attention.paged.StepBuffers`, ``max_rows``
         tokens of ``max_seqs`` sequences), so that a decode step can be captured as a CUDA
         graph."""
@@ -64,8 +74,8 @@ class ModelRunner:
             pack_linears(model)
         self.pool = PagedKVPool(model.cfg, num_blocks, block_size, model.device, model.dtype,
                                 num_cpu_blocks)
-        self.attention_backend = attention_backend
-        self.attn = get_paged_backend(attention_backend)
+        self.attn: PagedAttentionBackend = get_paged_backend(attention_backend)
+        self.attention_backend = self.attn.name
         if static_buffers is None:
             static_buffers = model.device.type == "cuda"
         blocks_per_seq = -(-model.cfg.max_seq_len // block_size)
@@ -75,13 +85,25 @@ class ModelRunner:
         self.fuse_ops = True                # the CPU fast path where it applies (fused_path)
         self.cpu_forward = CpuForward(model)
         self.load_timing = LoadTiming()
+        self.tables: Mapping[int, list[int]] = tables if tables is not None else {}
+        self.store = None                   # a TieredKVStore that saves computed chunks
+        self.sampler = StepSampler()        # its .speculator verifies drafts
+
+    @property
+    def speculator(self):
+        return self.sampler.speculator
+
+    @speculator.setter
+    def speculator(self, speculator) -> None:
+        self.sampler.speculator = speculator
 
     def fused_path(self, meta, layers: Collection[int]) -> bool:
         """Whether this step runs :class:`~.cpu_forward.CpuForward` (the C++ small ops): when
         ``fuse_ops`` allows, it supports the model (:func:`~.cpu_forward.supports`), every
-        sequence goes to the paged kernel (no tree masks), and ``self.attn`` is that backend
-        itself (one wrapped to record its inputs, as chapter 04 does, is called eagerly)."""
-        return self.fuse_ops and self.attn is get_paged_backend("cpu") \
+        sequence goes to the paged kernel (no tree masks), and ``self.attn`` declares
+        ``cpu_fast_path`` (the C++ kernel's own backend does; one that records its inputs, as
+        chapter 04's does, says False and is called eagerly)."""
+        return self.fuse_ops and self.attn.cpu_fast_path \
             and meta.direct is not None \
             and meta.direct.numel() == len(meta.q_lens) \
             and all(0 <= i < self.model.cfg.n_layers for i in layers) \
@@ -131,7 +153,52 @@ class ModelRunner:
         return time.perf_counter() - start
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, tables: Mapping[int, list[int]],
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """One step: the plan's KV moves and forward pass, then the tokens every completing
+        sequence gains (drafts verified). Reads the plan's sequences, writes none of them."""
+        want_all = {s.seq_id for r in plan.requests if collects_prompt_logprobs(r)
+                    for s in r.seqs}
+        masks, positions = {}, {}
+        for w in plan.seqs:
+            d = w.seq.draft
+            if d is not None:
+                want_all.add(w.seq.seq_id)
+                if not d.is_chain:
+                    root = w.seq.num_tokens - w.seq.num_draft - 1
+                    masks[w.seq.seq_id], positions[w.seq.seq_id] = tree_inputs(d, root)
+        layers = self.speculator.hidden_layers if self.speculator is not None else ()
+        result = self.forward(plan, self.tables, want_all, layers, masks, positions)
+        if self.store is not None:
+            for w in plan.seqs:
+                s = w.seq
+                self.store.save(s.seq_id, s.token_ids, s.num_computed + w.num_tokens,
+                                self.tables[s.seq_id], self.pool.gather)
+        out = RunnerOutput(rows=result.rows, hidden=result.hidden,
+                           move_seconds=result.move_seconds)
+        self.sampler.sample(plan, result.logits, result.logit_rows, out)
+        self._compact_accepted(plan, out)
+        return out
+
+    def _compact_accepted(self, plan: SchedulerOutput, out: RunnerOutput) -> None:
+        """Copy the KV of each verified tree's accepted nodes into the positions right after
+        its root (a chain's are there already), every layer."""
+        bs = self.block_size
+        src, dst = [], []
+        for w in plan.seqs:
+            sample = out.samples.get(w.seq.seq_id, [None])[0]
+            if sample is None or sample.path is None or \
+                    sample.path == list(range(1, len(sample.path) + 1)):
+                continue
+            table = self.tables[w.seq.seq_id]
+            root = w.seq.num_tokens - w.seq.num_draft - 1
+            for j, node in enumerate(sample.path):
+                for pos, slots in ((root + node, src), (root + 1 + j, dst)):
+                    slots.append(table[pos // bs] * bs + pos % bs)
+        if src:
+            self.pool.copy_slots(src, dst)
+
+    @torch.inference_mode()
+    def forward(self, plan: SchedulerOutput, tables: Mapping[int, list[int]],
                 all_logits: Collection[int] = (), hidden_layers: Collection[int] = (),
                 masks: Mapping[int, torch.Tensor] | None = None,
                 positions: Mapping[int, list[int]] | None = None) -> StepResult:
@@ -157,7 +224,7 @@ class ModelRunner:
                               [w.seq.num_computed for w in work], [w.num_tokens for w in work],
                               self.block_size, dev, [masks.get(w.seq.seq_id) for w in work],
                               q_per_kv=cfg.n_heads // cfg.n_kv_heads, buffers=self.buffers,
-                              direct=self.attention_backend in DIRECT_BACKENDS)
+                              direct=self.attn.reads_direct)
         inputs = self.buffers.fill(input_ids=ids, positions=pos) if self.buffers else None
         if inputs is None:
             inputs = {"input_ids": torch.tensor(ids, device=dev),

@@ -41,103 +41,28 @@ whole or waits for the next step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
 
 from ..cache.block_manager import BlockManager, blocks_for
+from ..cache.prefix import PrefixCacheError
+from .config import SchedulerConfig
+from .plan import RunnerOutput, Sample, ScheduledSeq, SchedulerOutput, StepUpdate
+from .policies import append_token, beam_step, fork_seq
 from .sequence import Request, Sequence, Status
-
-BATCHING = ("continuous", "static")
-POLICIES = ("fcfs", "priority")
-ADMISSION = ("paged", "reserve")
-PREEMPTION = ("recompute", "swap")
-STEP_POLICIES = ("chunked", "prefill_first", "decode_first")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    batching: str = "continuous"
-    policy: str = "fcfs"
-    admission: str = "paged"
-    preemption: str = "recompute"
-    mixed: bool = True
-    enable_chunked_prefill: bool = True
-    step_policy: str | None = None
-
-    def __post_init__(self) -> None:
-        for name, allowed in (("batching", BATCHING), ("policy", POLICIES),
-                              ("admission", ADMISSION), ("preemption", PREEMPTION)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.step_policy is not None:
-            if self.step_policy not in STEP_POLICIES:
-                raise ValueError(f"step_policy must be one of {STEP_POLICIES} or None, got "
-                                 f"{self.step_policy!r}")
-            chunked = self.step_policy == "chunked"
-            object.__setattr__(self, "mixed", chunked)
-            object.__setattr__(self, "enable_chunked_prefill", chunked)
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens must be >= max_num_seqs "
-                             f"({self.max_num_seqs}: one decode token per sequence), "
-                             f"got {self.max_num_batched_tokens}")
-
-
-@dataclass
-class ScheduledSeq:
-    """One sequence's work in a step: compute ``num_tokens`` tokens, the token ids
-    ``seq.token_ids[seq.num_computed : seq.num_computed + num_tokens]``."""
-
-    seq: Sequence
-    num_tokens: int
-
-    @property
-    def completes(self) -> bool:
-        """The chunk reaches the sequence's last token: its last row's logits pick the next."""
-        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's plan. ``requests``: those that run; ``seqs``: what each of their sequences
-    computes. Block moves for the runner to do first, in this order: ``swap_out`` (device block,
-    CPU block), ``swap_in`` (CPU block, device block), ``copies`` (src, dst), then ``loads``
-    (stored KV for new blocks of admitted sequences, :class:`minillm.cache.offload.KVLoad`)."""
-
-    requests: list[Request] = field(default_factory=list)
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    loads: list = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs)
-
-    def tokens_of(self, req: Request) -> int:
-        """Tokens ``req`` computes in this step (all its sequences)."""
-        ids = {s.seq_id for s in req.seqs}
-        return sum(s.num_tokens for s in self.seqs if s.seq.seq_id in ids)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_seq_len: int,
-                 offload=None) -> None:
+                 offload=None, eos_token_id: int | None = None) -> None:
         """``offload``: a KV store behind the prefix cache (:class:`minillm.cache.offload.
-        TieredKVStore`); admission loads the blocks it holds past the device's cached prefix."""
+        TieredKVStore`); admission loads the blocks it holds past the device's cached prefix.
+        ``eos_token_id`` ends a sequence that samples it (unless its request ignores EOS)."""
         self.config, self.blocks, self.max_seq_len = config, blocks, max_seq_len
-        self.offload = offload
+        self.offload, self.eos_token_id = offload, eos_token_id
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
+        self._finished: list[int] = []                 # sequences gone since the last plan
 
     # ---- queues ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -151,18 +76,26 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def finish(self, req: Request) -> None:
-        """Drop a request from every queue and free all its blocks (finished or aborted)."""
+    def finish(self, req: Request) -> list[int]:
+        """Drop a request from every queue and free all its blocks (finished or aborted);
+        returns the ids of its sequences that were live."""
         for queue in (self.waiting, self.running, self.swapped):
             if req in queue:
                 queue.remove(req)
-        for seq in req.seqs:
-            self.blocks.free(seq.seq_id)
+        ids = [seq.seq_id for seq in req.seqs]
+        for seq_id in ids:
+            self.blocks.free(seq_id)
+        self._finished += ids
         req.status = Status.FINISHED
+        return ids
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        """The next step's plan (see the module docstring). Admission and preemption set
+        ``num_computed`` (a prefix hit counts as computed; a recomputed sequence starts over);
+        nothing else here does."""
+        out = SchedulerOutput(finished=self._finished)
+        self._finished = []
         budget = self.config.max_num_batched_tokens
         static_busy = self.config.batching == "static" and (self.running or self.swapped)
         decodes_first = self.config.step_policy == "decode_first" and \
@@ -283,37 +216,54 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in order while sequences, tokens and blocks allow. Without
-        chunked prefill the first request of an otherwise empty step always gets in."""
+        chunked prefill the first request of an otherwise empty step always gets in. A request
+        whose prefix lookup breaks the prefix cache's contract fails alone (``out.failed``)."""
         for req in self._sorted(self.waiting):
-            cached = self._uses_prefix_cache(req)
-            for s in req.seqs if cached else ():   # a prefix hit is computed already
-                s.num_computed = self._cached_blocks(s) * self.blocks.block_size
-            plan = self._prefill_plan(req, budget)
-            if not plan and not out.requests:
-                plan = [(s, s.num_uncomputed) for s in req.seqs]
-            slots = self._admission_tokens(req, dict((s.seq_id, n) for s, n in plan))
-            if not plan or not self._seq_room(req) or not self._can_admit(req, slots, cached):
-                for s in req.seqs if cached else ():
-                    s.num_computed = 0
+            try:
+                used = self._admit(req, out, budget)
+            except PrefixCacheError as e:
+                ids = {s.seq_id for s in req.seqs}
+                out.loads = [x for x in out.loads if x.seq_id not in ids]
+                req.error = str(e)
+                self.finish_request(req, "error")
+                out.failed.append(req)
+                continue
+            if used is None:
                 break
-            reserve = self.config.admission == "reserve"
-            for s, n in zip(req.seqs, slots):
-                if cached:
-                    found = self.blocks.allocate_cached(s.seq_id, s.token_ids, n)
-                    self._load_stored(s, found, out)
-                    req.metrics.cached_tokens += s.num_computed
-                    continue
-                self.blocks.allocate(s.seq_id, s.num_computed if reserve else n,
-                                     reserve_tokens=n if reserve else None)
-            for s, n in plan:
-                if reserve:
-                    self.blocks.reserve(s.seq_id, s.num_computed + n)
-                out.seqs.append(ScheduledSeq(s, n))
-            self.waiting.remove(req)
-            req.status = Status.RUNNING
-            self.running.append(req)
-            out.requests.append(req)
-            budget -= sum(n for _, n in plan)
+            budget -= used
+
+    def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> int | None:
+        """Admit ``req`` into this step's plan; returns the tokens it computes now, or None
+        (nothing changed) when there is no room for it."""
+        cached = self._uses_prefix_cache(req)
+        for s in req.seqs if cached else ():   # a prefix hit is computed already
+            s.num_computed = self._cached_blocks(s) * self.blocks.block_size
+        plan = self._prefill_plan(req, budget)
+        if not plan and not out.requests:
+            plan = [(s, s.num_uncomputed) for s in req.seqs]
+        slots = self._admission_tokens(req, dict((s.seq_id, n) for s, n in plan))
+        if not plan or not self._seq_room(req) or not self._can_admit(req, slots, cached):
+            for s in req.seqs if cached else ():
+                s.num_computed = 0
+            return None
+        reserve = self.config.admission == "reserve"
+        for s, n in zip(req.seqs, slots):
+            if cached:
+                found = self.blocks.allocate_cached(s.seq_id, s.token_ids, n)
+                self._load_stored(s, found, out)
+                req.metrics.cached_tokens += s.num_computed
+                continue
+            self.blocks.allocate(s.seq_id, s.num_computed if reserve else n,
+                                 reserve_tokens=n if reserve else None)
+        for s, n in plan:
+            if reserve:
+                self.blocks.reserve(s.seq_id, s.num_computed + n)
+            out.seqs.append(ScheduledSeq(s, n))
+        self.waiting.remove(req)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        out.requests.append(req)
+        return sum(n for _, n in plan)
 
     def _cached_blocks(self, s: Sequence) -> int:
         """Leading blocks of the sequence whose KV is cached on the device or in the store."""
@@ -355,3 +305,91 @@ class Scheduler:
             cap = min(req.max_total_tokens, self.max_seq_len)
             return [max(cap, s.num_tokens) for s in req.seqs]
         return [s.num_computed + plan.get(s.seq_id, 0) for s in req.seqs]
+
+    # ---- after the step ------------------------------------------------------------------------
+    def update_from_output(self, plan: SchedulerOutput, out: RunnerOutput) -> StepUpdate:
+        """Apply one step's result: every scheduled sequence advances by what it computed (its
+        full blocks go to the prefix cache), a verified draft keeps its accepted path (the
+        runner moved a tree's accepted nodes' KV after the root; the rest is truncated), sampled
+        tokens are appended, n > 1 requests fork at their first token, beam search picks its
+        beams, and finished sequences leave and free their blocks. The one writer of
+        ``num_computed`` in a step (admission and preemption in ``schedule`` set it too)."""
+        upd = StepUpdate()
+        for w in plan.seqs:
+            s = w.seq
+            upd.starts[s.seq_id] = s.num_computed
+            s.num_computed += w.num_tokens
+            self.blocks.cache_computed(s.seq_id, s.token_ids, s.num_computed)
+        for req in plan.requests:
+            if req.request_id in out.prompt_logprobs:
+                start, entries = out.prompt_logprobs[req.request_id]
+                req.prompt_logprobs[start:] = entries
+            if req.request_id in out.beams:
+                upd.released += beam_step(req, out.beams[req.request_id], self.blocks,
+                                          self.eos_token_id, self.max_seq_len)
+            elif any(s.seq_id in out.samples for s in req.seqs):
+                for s in list(req.seqs):
+                    self._take_samples(req, s, out.samples.get(s.seq_id, []), upd)
+            else:
+                continue
+            upd.released += self._retire_finished(req)
+            if req.metrics.first_token is None:
+                req.metrics.first_token = time.perf_counter()
+            if not req.seqs or (req.params.use_beam_search
+                                and len(req.done) >= req.params.beam_width):
+                upd.released += self.finish_request(req)
+            upd.changed.append(req)
+        return upd
+
+    def finish_request(self, req: Request, reason: str = "length") -> list[int]:
+        """End ``req`` now: live sequences end with ``reason`` (unless they already ended),
+        their text is flushed, every block is freed. Returns the ids of the sequences that
+        were live."""
+        for s in req.seqs:
+            s.draft = None
+            s.finish_reason = s.finish_reason or reason
+            if s.detok is not None:
+                s.delta += s.detok.finish()
+        ids = self.finish(req)
+        req.done += req.seqs
+        req.seqs = []
+        req.metrics.finished = time.perf_counter()
+        return ids
+
+    def _take_samples(self, req: Request, seq: Sequence, samples: list[Sample],
+                      upd: StepUpdate) -> None:
+        """Give ``seq`` its sample; further samples (n > 1) go to new sequences forked from it
+        (before the token is appended: they share the prompt's blocks)."""
+        children = [fork_seq(self.blocks, req, seq) for _ in samples[1:]]
+        upd.forked.update((c.seq_id, seq.seq_id) for c in children)
+        for s, sample in zip([seq] + children, samples):
+            if sample.path is not None:
+                self._keep_path(s, sample.path)
+                upd.kept_rows[s.seq_id] = [0] + sample.path
+            for i, tok in enumerate(sample.tokens):
+                append_token(req, s, tok, self.eos_token_id, self.max_seq_len,
+                             sample.logprobs[i], sample.top[i] if sample.top else None)
+                if s.finished:
+                    break
+            s.num_computed = min(s.num_computed, s.num_tokens - 1)
+
+    def _keep_path(self, seq: Sequence, path: list[int]) -> None:
+        """Roll a verified draft back to its accepted ``path`` of nodes (whose KV the runner
+        has moved into a contiguous run after the root): the rest is forgotten."""
+        root = seq.num_tokens - seq.num_draft - 1
+        seq.draft = None
+        self.blocks.truncate(seq.seq_id, root + 1 + len(path))
+        del seq.token_ids[root + 1:]            # the accepted tokens come back as the sample
+        seq.num_computed = min(seq.num_computed, root + 1 + len(path))
+
+    def _retire_finished(self, req: Request) -> list[int]:
+        """Finished sequences of ``req`` leave its live list and free their blocks; returns
+        their ids. The request finishes when none is left (or enough beams are done)."""
+        gone = [s for s in req.seqs if s.finished]
+        for seq in gone:
+            req.seqs.remove(seq)
+            req.done.append(seq)
+            self.blocks.free(seq.seq_id)
+        ids = [s.seq_id for s in gone]
+        self._finished += ids
+        return ids

@@ -102,7 +102,8 @@ class Sequence:
     seq_id: int = field(default_factory=new_seq_id)
     num_computed: int = 0
     cumulative_logprob: float = 0.0
-    finish_reason: str | None = None   # "stop" (EOS or a stop string), "length", "abort"
+    finish_reason: str | None = None   # "stop" (EOS or a stop string), "length", "abort",
+    #                                    "error" (a component broke its contract for it)
     detok: IncrementalDetokenizer | None = None   # the text so far, grown token by token
     delta: str = ""                    # text added since the last output
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, if asked
@@ -185,7 +186,8 @@ class Request:
     metrics: Metrics = field(default_factory=lambda: Metrics(time.perf_counter()))
     arrival_index: int = field(default_factory=lambda: next(_seq_ids))
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    last_prompt_logits: Any = None   # [1, vocab], predicts the next chunk's first token
+    generator: Any = None      # torch.Generator of a seeded request (None: the global RNG)
+    error: str | None = None   # why it failed, when a component broke its contract for it
 
     def __post_init__(self) -> None:
         if not self.seqs:

@@ -1,10 +1,11 @@
 """What the engine asks of speculative decoding (chapter 06), and nothing more.
 
 The engine runs the frame: a sequence carrying a :class:`~.sequence.Draft` is scheduled with
-its last token and every drafted node, verified in that one forward pass (logits at every row,
-the tree mask and tree positions for a tree), and then the engine keeps the accepted path's
-K/V (moving tree nodes into a contiguous run), truncates the rest, appends the accepted tokens
-and the target's own next token, and stops at EOS, a stop string or max_tokens like any step.
+its last token and every drafted node; the runner verifies them in that one forward pass
+(logits at every row, the tree mask and tree positions for a tree) and moves a tree's accepted
+nodes' K/V into a contiguous run; the update truncates the rest, appends the accepted tokens
+and the target's own next token, and stops at EOS, a stop string or max_tokens like any step;
+then :func:`propose_drafts` asks for the next drafts.
 
 A :class:`Speculator` (``minillm.spec`` builds them) supplies the two decisions:
 
@@ -25,7 +26,8 @@ from typing import Protocol
 import torch
 
 from ..config import SamplingParams
-from .sequence import Draft, Sequence
+from .plan import RunnerOutput, SchedulerOutput, StepUpdate
+from .sequence import Draft, Request, Sequence
 
 
 @dataclass
@@ -73,3 +75,52 @@ def tree_inputs(draft: Draft, root: int) -> tuple[torch.Tensor, list[int]]:
         mask[i] = mask[p]
         mask[i, i] = True
     return mask, [root + d for d in depth]
+
+
+def propose_drafts(speculator: Speculator, plan: SchedulerOutput, out: RunnerOutput,
+                   done: StepUpdate, max_seq_len: int, vocab_size: int
+                   ) -> dict[str, str]:
+    """After a step's update: give the speculator what every live scheduled sequence committed
+    (a new parallel sample reads its parent's rows) and attach the drafts it returns, for the
+    next plan to schedule. A draft that breaks the contract (a token outside [0, vocab_size))
+    is not attached: returns {request id: what was wrong} for the caller to fail them."""
+    for child, parent in done.forked.items():
+        speculator.fork(parent, child)
+    inputs = []
+    for req in plan.requests:
+        if req.finished or req.params.use_beam_search:
+            continue
+        for s in req.seqs:
+            src = done.forked.get(s.seq_id, s.seq_id)
+            if src not in out.rows:
+                continue
+            r = out.rows[src]
+            kept = done.kept_rows.get(src)
+            rows = [r.start + n for n in kept] if kept else list(range(r.start, r.stop))
+            inputs.append(SpecInput(s, done.starts[src], rows, draft_room(req, s, max_seq_len),
+                                    req.params, req.generator))
+    drafts = speculator.propose(inputs, out.hidden) if inputs else []
+    owner = {s.seq_id: r.request_id for r in plan.requests for s in r.seqs}
+    broken = {}
+    for inp, draft in zip(inputs, drafts):
+        if draft is None or inp.max_depth <= 0:
+            continue
+        bad = [t for t in draft.tokens if not (isinstance(t, int) and 0 <= t < vocab_size)]
+        if bad:
+            broken[owner[inp.seq.seq_id]] = (
+                f"speculator {type(speculator).__name__}: draft tokens must be ints in "
+                f"[0, {vocab_size}), got {bad[:5]}")
+            continue
+        draft = draft.pruned(inp.max_depth)
+        if draft is not None:
+            inp.seq.attach_draft(draft)
+    return broken
+
+
+def draft_room(req: Request, seq: Sequence, max_seq_len: int) -> int:
+    """How deep a draft for ``seq`` may go now: 0 while its prompt is unfinished, else what
+    max_tokens and the context window leave after the next token."""
+    if seq.num_uncomputed != 1 or seq.finished:
+        return 0
+    left = min(req.params.max_tokens - len(seq.output_ids), max_seq_len - seq.num_tokens)
+    return max(0, left - 1)
