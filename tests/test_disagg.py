@@ -72,6 +72,25 @@ def test_two_decode_workers_share_the_load_and_stream_matches(reference):
         assert_no_block_held(llm)
 
 
+def test_two_streams_consumed_in_turn_each_get_their_whole_text(reference):
+    """next() on one stream, then on the other, until both end: neither loses the outputs
+    that arrive while the other is being read."""
+    with pair() as llm:
+        streams = [llm.stream(p, GREEDY) for p in PROMPTS[:2]]
+        pieces: list[list[str]] = [[], []]
+        live = [0, 1]
+        while live:
+            for i in list(live):
+                try:
+                    pieces[i].append(next(streams[i]))
+                except StopIteration:
+                    live.remove(i)
+        outs = llm.generate(PROMPTS[:2], GREEDY)
+        assert [o.token_ids for o in outs] == reference[:2]
+        assert ["".join(p) for p in pieces] == [o.text for o in outs]
+        assert all(o.text for o in outs) and llm.output_processor.watched == []
+
+
 def test_first_token_finishes_and_aborts_leave_nothing(reference):
     with pair() as llm:
         one = llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=1))
@@ -96,9 +115,8 @@ def test_a_decode_worker_killed_mid_generation_is_rerouted(reference, standby):
         ids = [llm.add_request(p, GREEDY) for p in PROMPTS]
         wait_for_tokens(llm, 20)
         os.kill(llm.pids[1], signal.SIGKILL)
-        done = {}
-        llm._run_until(lambda: len(done) == len(ids), done)
-        assert [done[i].token_ids for i in ids] == reference
+        outs = llm.output_processor.collect(ids)
+        assert [o.token_ids for o in outs] == reference
         assert 1 in llm.dead and any(llm.finished[i].reroutes for i in ids)
         assert_no_block_held(llm)
 

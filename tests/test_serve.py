@@ -30,7 +30,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 import minillm  # noqa: E402
-from minillm.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from minillm.engine import EngineConfig, LLMEngine  # noqa: E402
 from minillm.serve import EngineLoop, EngineStopped, create_app  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,9 @@ the decode side, and turns the token stream into text with its own incremental d
 strings are applied here, as a front end does). It also watches the workers: when a decode
 worker dies, its unfinished requests go to another one, recomputed from prompt + tokens so far,
 or, with ``standby``, resumed from the prompt KV the prefill worker still keeps; with no decode
-worker left the prefill worker serves them whole. Every wait has a timeout.
+worker left the prefill worker serves them whole. Every wait has a timeout. ``generate`` and
+``stream`` are ``minillm.LLM``'s, from the same
+:class:`~minillm.engine.output_processor.OutputProcessor` (with the router as its engine).
 """
 from __future__ import annotations
 
@@ -26,14 +28,13 @@ import torch.multiprocessing as mp
 
 from ..config import PRESETS, SamplingParams
 from ..device import serving_dtype
+from ..engine.config import EngineConfig
 from ..engine.detokenizer import IncrementalDetokenizer
-from ..engine.engine import EngineConfig
+from ..engine.output_processor import OutputProcessor, Prompt
 from ..engine.outputs import CompletionOutput, RequestOutput
 from ..engine.sequence import Metrics
 from ..parallel.launch import free_port
 from .worker import FAULTS, PREFILL_RANK, ROUTER, Job, WorkerSpec, worker_main
-
-Prompt = str | list[int]
 
 
 @dataclass
@@ -96,6 +97,8 @@ class DisaggLLM:
         self.dead: set[int] = set()
         self._ids, self._index = itertools.count(), itertools.count()
         self._stats: dict[int, dict] = {}
+        self.output_processor = OutputProcessor(self, timeout_s=timeout_s,
+                                                explain=self._explain_stall)
         self._start_workers()
 
     # ---- processes ----------------------------------------------------------------------------
@@ -168,7 +171,7 @@ class DisaggLLM:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
-        ids, text = self._validate(prompt, params)
+        ids, text = self.validate(prompt, params)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -178,7 +181,8 @@ class DisaggLLM:
         self._dispatch(tr, ids, params)
         return rid
 
-    def _validate(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None]:
+    def validate(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None]:
+        """Prompt token ids (and text) if the request is acceptable, else ValueError."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.n > 1 or params.use_beam_search:
@@ -341,7 +345,7 @@ class DisaggLLM:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"workers {sorted(set(alive) - self._stats.keys())} did not "
                                    f"answer within {timeout_s} s")
-            self.step()
+            self.output_processor.deliver(self.step())   # open streams keep their outputs
         return dict(self._stats)
 
     # ---- the LLM-style API --------------------------------------------------------------------
@@ -349,52 +353,18 @@ class DisaggLLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order (as ``minillm.LLM``)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(per) != len(prompts):
-            raise ValueError(f"params must be one SamplingParams or one per prompt "
-                             f"({len(prompts)}), got {len(per)}")
-        for p, sp in zip(prompts, per):
-            self._validate(p, sp or SamplingParams())
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per)]
-        done: dict[str, RequestOutput] = {}
-        self._run_until(lambda: all(i in done for i in ids), done)
-        return [done[i] for i in ids]
+        return self.output_processor.generate(prompts, params)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the new text of one request as its tokens arrive; closing early aborts it."""
-        rid = self.add_request(prompt, params)
-        last = time.monotonic()
-        try:
-            while True:
-                for out in self.step():
-                    if out.request_id == rid:
-                        last = time.monotonic()
-                        if out.outputs[0].text_delta:
-                            yield out.outputs[0].text_delta
-                        if out.finished:
-                            return
-                if time.monotonic() - last > self.timeout_s:
-                    raise TimeoutError(f"request {rid} made no progress in {self.timeout_s} s")
-        finally:
-            self.abort(rid)
+        """Yield the new text of one request as its tokens arrive (several streams may be
+        consumed at once); closing early aborts it."""
+        return self.output_processor.stream(prompt, params)
 
-    def _run_until(self, done_when, done: dict[str, RequestOutput]) -> None:
-        last = time.monotonic()
-        while not done_when():
-            outs = self.step()
-            if outs:
-                last = time.monotonic()
-            for out in outs:
-                if out.finished:
-                    done[out.request_id] = out
-            if time.monotonic() - last > self.timeout_s:
-                stuck = {r: (t.decode_rank, len(t.tokens)) for r, t in self.requests.items()
-                         if t.finish_reason is None}
-                raise TimeoutError(f"no request made progress in {self.timeout_s} s; waiting "
-                                   f"(decode rank, tokens): {stuck}; workers: "
-                                   f"{self.worker_stats()}")
+    def _explain_stall(self, request_ids: list[str]) -> str:
+        """Where the stuck requests are and what the live workers hold (for a TimeoutError)."""
+        where = {rid: (self.requests[rid].decode_rank, len(self.requests[rid].tokens))
+                 for rid in request_ids if rid in self.requests}
+        return f"(decode rank, tokens): {where}; workers: {self.worker_stats()}"
 
 
 def _router_tokenizer(model: str):

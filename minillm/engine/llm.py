@@ -4,8 +4,9 @@
     outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
     outs[0].text, outs[0].token_ids, outs[0].metrics.ttft
 
-The LLM owns the loop: ``generate`` and ``stream`` step the engine and hand each output to the
-request it belongs to, so several streams can be consumed at once. ``add_request`` / ``step`` /
+The LLM owns the loop: ``generate`` and ``stream`` step the engine through an
+:class:`~minillm.engine.output_processor.OutputProcessor`, which hands each output to the request
+it belongs to, so several streams can be consumed at once. ``add_request`` / ``step`` /
 ``abort`` / ``stats`` pass through to the engine for servers that run their own loop.
 """
 from __future__ import annotations
@@ -13,15 +14,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from ..checkpoint.loader import load_model
 from ..config import SamplingParams
 from ..device import resolve_device, serving_dtype
-from .engine import EngineConfig, LLMEngine
+from .config import EngineConfig
+from .engine import LLMEngine
+from .output_processor import OutputProcessor, Prompt
 from .outputs import EngineStats, RequestOutput
 
-Prompt = str | list[int]
 Messages = list[dict]
 
 
@@ -46,7 +47,7 @@ class LLM:
         if speculative_config is not None:
             from ..spec.speculator import build_speculator  # technique on top of the core
             self.engine.use_speculator(build_speculator(speculative_config, self.engine))
-        self._inbox: dict[str, RequestOutput | None] = {}   # latest output not yet taken
+        self.output_processor = OutputProcessor(self.engine)   # inboxes, generate, stream
 
     @property
     def dtype(self) -> torch.dtype:
@@ -60,30 +61,8 @@ class LLM:
         """Run every prompt (text or token ids) to completion; outputs in prompt order.
         ``params``: one SamplingParams for all, or one per prompt. A bad prompt or parameter
         raises before anything is queued."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        per_prompt = _one_per_prompt(params, len(prompts))
-        priorities = list(priorities) if priorities is not None else [0] * len(prompts)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"priorities must have one entry per prompt ({len(prompts)}), "
-                             f"got {len(priorities)}")
-        for p, sp in zip(prompts, per_prompt):  # all first: a bad one leaves nothing queued
-            self.engine.validate(p, sp)
-        ids = [self._watch(self.engine.add_request(p, sp, priority=pr))
-               for p, sp, pr in zip(prompts, per_prompt, priorities)]
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
-            try:
-                for rid in ids:
-                    while rid not in done:
-                        out = self._next(rid)
-                        if out.finished:
-                            done[rid] = out
-                            bar.update(1)
-            finally:
-                self._forget(ids)
-        return [done[i] for i in ids]
+        return self.output_processor.generate(prompts, params, priorities=priorities,
+                                              use_tqdm=use_tqdm)
 
     def chat(self, messages: Messages | Sequence[Messages],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -99,39 +78,7 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the new text of one request as its tokens arrive (other requests advance too;
         several streams may be consumed at once). Closing the stream early aborts it."""
-        rid = self._watch(self.engine.add_request(prompt, params))
-        try:
-            while True:
-                out = self._next(rid)
-                if out.outputs[0].text_delta:
-                    yield out.outputs[0].text_delta
-                if out.finished:
-                    return
-        finally:
-            self._forget([rid])
-
-    def _watch(self, rid: str) -> str:
-        self._inbox[rid] = None
-        return rid
-
-    def _forget(self, ids: list[str]) -> None:
-        """Stop collecting outputs for ``ids``, aborting any still running."""
-        for rid in ids:
-            self._inbox.pop(rid, None)
-            self.engine.abort(rid)
-
-    def _next(self, rid: str) -> RequestOutput:
-        """The next output of request ``rid``, stepping the engine until there is one. The
-        other watched requests' outputs wait in their inboxes, merged into one (the latest,
-        with the text deltas joined), so a waiting request holds one output, not one per step."""
-        while self._inbox[rid] is None:
-            if not self.engine.has_unfinished():
-                raise RuntimeError(f"request {rid!r} is not in the engine")
-            for out in self.engine.step():
-                if out.request_id in self._inbox:
-                    self._inbox[out.request_id] = _merge(self._inbox[out.request_id], out)
-        out, self._inbox[rid] = self._inbox[rid], None
-        return out
+        return self.output_processor.stream(prompt, params)
 
     # ---- online (servers) ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -151,22 +98,3 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-
-def _merge(old: RequestOutput | None, new: RequestOutput) -> RequestOutput:
-    """``new`` with the text deltas of ``old`` (not yet taken) in front of its own."""
-    if old is not None:
-        for a, b in zip(old.outputs, new.outputs):
-            b.text_delta = a.text_delta + b.text_delta
-    return new
-
-
-def _one_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
-                    n: int) -> list[SamplingParams]:
-    """``params`` as a list with one SamplingParams per prompt."""
-    if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * n
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"params must be one SamplingParams or one per prompt ({n}), "
-                         f"got {len(params)}")
-    return params
