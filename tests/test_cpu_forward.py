@@ -131,9 +131,18 @@ def test_hooked_layers_and_other_backends_take_the_eager_path(real, monkeypatch)
     assert not calls and len(seen) == 3                        # the hook ran every step
     greedy(LLMEngine(model, tok, EngineConfig(attention_backend="sdpa")), [[1, 2, 3]], 3)
     assert not calls
-    wrapped = LLMEngine(model, tok, EngineConfig(attention_backend="cpu"))
-    inner, seen_attn = wrapped.runner.attn, []
-    wrapped.runner.attn = lambda *args: seen_attn.append(1) or inner(*args)
+    seen_attn = []
+
+    class Counting:
+        """The C++ kernel's backend, counting its calls: it must see each, so no fast path."""
+        name, reads_direct, cpu_fast_path = "counting cpu", True, False
+
+        def __call__(self, *args):
+            seen_attn.append(1)
+            return get_paged_backend("cpu")(*args)
+
+    wrapped = LLMEngine(model, tok, EngineConfig(attention_backend=Counting()))
+    assert wrapped.runner.attention_backend == "counting cpu"
     greedy(wrapped, [[1, 2, 3]], 3)
     assert not calls and len(seen_attn) == 3 * model.cfg.n_layers   # a wrapped backend runs
 

@@ -142,3 +142,18 @@ def test_slot_mapping_follows_block_tables():
     # position 17 of the first sequence: logical block 1 -> physical 2, offset 1
     assert meta.slot_mapping.tolist() == [2 * 16 + 1, 5 * 16, 5 * 16 + 1, 5 * 16 + 2]
     assert meta.seq_lens.tolist() == [18, 3] and meta.cu_seqlens_q.tolist() == [0, 1, 4]
+
+
+def test_named_backends_declare_what_they_read():
+    """Each name is a PagedAttentionBackend: the function it names, and its declarations (only
+    the C++ kernel reads ``meta.direct`` and lets the C++ forward stand in for it)."""
+    from minillm.attention.paged import PAGED_BACKENDS, check_paged_backend, get_paged_backend
+
+    fns = {"sdpa": sdpa_paged_attention, "triton": triton_paged_attention,
+           "cpu": cpu_paged_attention}
+    for name, backend in PAGED_BACKENDS.items():
+        assert check_paged_backend(backend) is backend is get_paged_backend(name)
+        assert backend.name == name and backend.fn is fns[name]
+        assert backend.reads_direct == backend.cpu_fast_path == (name == "cpu")
+    args, ref = make_step(4, 2, 16, 16, [(13, 1, False), (0, 9, False)], seed=3)
+    torch.testing.assert_close(get_paged_backend("sdpa")(*args), ref)

@@ -6,7 +6,8 @@ may see key j when j <= L - T + i. Output [B, H, T, hd].
 
 Backends: "sdpa" (PyTorch's fused kernel, the default), "reference" (the maths written out),
 "triton" (our FlashAttention kernel, chapter 05; compiled on a GPU, interpreted on a CPU).
-The serving engine's paged attention (``paged.py``) takes the same names ("sdpa", "triton").
+The serving engine's paged attention (``paged.py``) takes the same names ("sdpa", "triton"), and
+"cpu", or any object implementing its ``PagedAttentionBackend``.
 :func:`attention_with_lse` is the reference everything is checked against.
 """
 from __future__ import annotations

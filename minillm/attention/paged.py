@@ -29,11 +29,16 @@ the layer's caches and the :class:`PagedMetadata`, and return [N, Hq, D]:
 
 Everything a backend needs is built once per step on the host (Python lists and tensors made
 from them), so the forward pass makes no host synchronisation.
+
+These three are the named implementations of :class:`PagedAttentionBackend`, the contract the
+engine calls; ``EngineConfig(attention_backend=...)`` takes a name or any object implementing it
+(a student's backend, a wrapper that records what it is given).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -321,10 +326,74 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 PagedAttentionFn = Callable[..., torch.Tensor]
-PAGED_BACKENDS: dict[str, PagedAttentionFn] = {"sdpa": sdpa_paged_attention,
-                                               "triton": triton_paged_attention,
-                                               "cpu": cpu_paged_attention}
-DIRECT_BACKENDS = frozenset({"cpu"})     # build their metadata with direct=True
+
+
+class PagedAttentionBackend(Protocol):
+    """The engine's paged attention: called once per layer per step over the whole flat batch,
+    as ``backend(q, k, v, k_cache, v_cache, meta)``.
+
+    - q: [N, Hq, D], the queries of the step's N new tokens (RoPE applied), sequence after
+      sequence: sequence s owns rows ``meta.starts[s]`` .. ``+ meta.q_lens[s]``
+      (``meta.cu_seqlens_q``).
+    - k, v: [N, Hkv, D], the same tokens' keys and values, *already written* into the caches at
+      ``meta.slot_mapping``. Hq is a multiple of Hkv: query head h reads KV head
+      h // (Hq // Hkv).
+    - k_cache, v_cache: [num_blocks, block_size, Hkv, D], this layer's pool. Position p of
+      sequence s sits in block ``meta.block_tables[s, p // block_size]`` at offset
+      ``p % block_size``; s has ``meta.seq_lens[s] = ctx_lens[s] + q_lens[s]`` positions.
+    - meta: :class:`PagedMetadata`.
+
+    Returns [N, Hq, D] in q's dtype: row j of sequence s (position ``ctx_lens[s] + j``) is the
+    softmax(q k^T / sqrt(D)) v of that query over positions 0 .. ctx_lens[s] + j of s (causal).
+    A sequence with a tree mask (``meta.has_masks``; speculative decoding, chapter 06) sees its
+    whole cached prefix and the new tokens its mask allows; its mask is only in its padded
+    group (``meta.groups``), so a backend that does not read the groups hands such a step to
+    :func:`sdpa_paged_attention`. The backend writes neither the caches nor its inputs.
+
+    What it declares (plain attributes, which the runner reads every step):
+
+    - ``name``: how the engine reports it (``runner.attention_backend``).
+    - ``reads_direct``: True: the runner builds the metadata with ``direct=True``, so
+      ``meta.direct`` lists every sequence without a tree mask and those sequences are in
+      neither ``meta.groups`` nor ``meta.singles``: the backend attends them itself, reading
+      the blocks in place. False: ``meta.direct`` is None and the groups and singles cover
+      every sequence (a backend may ignore them and use the per-sequence fields alone).
+    - ``cpu_fast_path``: True allows the runner to run a whole CPU step through the C++
+      forward (:class:`~minillm.engine.cpu_forward.CpuForward`), which calls the C++ paged
+      kernel itself instead of this backend: only for a backend that computes exactly that
+      kernel's attention. A backend that must see every call (a recorder, a student's
+      version) says False, and the step runs eagerly through it.
+    """
+
+    name: str
+    reads_direct: bool
+    cpu_fast_path: bool
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: PagedMetadata) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class FunctionBackend:
+    """A paged attention function with what it declares: the package's named backends."""
+
+    name: str
+    fn: PagedAttentionFn
+    reads_direct: bool = False
+    cpu_fast_path: bool = False
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: PagedMetadata) -> torch.Tensor:
+        return self.fn(q, k, v, k_cache, v_cache, meta)
+
+
+PAGED_BACKENDS: dict[str, PagedAttentionBackend] = {
+    "sdpa": FunctionBackend("sdpa", sdpa_paged_attention),
+    "triton": FunctionBackend("triton", triton_paged_attention),
+    "cpu": FunctionBackend("cpu", cpu_paged_attention, reads_direct=True, cpu_fast_path=True),
+}
 
 
 def default_paged_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -337,11 +406,31 @@ def default_paged_backend(device: torch.device, dtype: torch.dtype) -> str:
         else "sdpa"
 
 
-def get_paged_backend(name: str) -> PagedAttentionFn:
-    """The paged attention function called ``name`` (sdpa or triton: the names the model's
-    dense backends use, :data:`minillm.attention.BACKENDS`)."""
+def check_paged_backend(backend: object) -> PagedAttentionBackend:
+    """``backend`` if it implements :class:`PagedAttentionBackend`, else ValueError naming
+    ``attention_backend`` and every member that is missing or of the wrong kind."""
+    problems = [] if callable(backend) else \
+        ["it must be callable as backend(q, k, v, k_cache, v_cache, meta)"]
+    if not isinstance(getattr(backend, "name", None), str):
+        problems.append("it needs a str attribute `name`")
+    for flag in ("reads_direct", "cpu_fast_path"):
+        if not isinstance(getattr(backend, flag, None), bool):
+            problems.append(f"it needs a bool attribute `{flag}`")
+    if problems:
+        raise ValueError(f"attention_backend must be one of {sorted(PAGED_BACKENDS)} or an "
+                         f"object implementing PagedAttentionBackend; the "
+                         f"{type(backend).__name__} given does not: {'; '.join(problems)}")
+    return backend                                  # type: ignore[return-value]
+
+
+def get_paged_backend(backend: str | PagedAttentionBackend) -> PagedAttentionBackend:
+    """The paged attention backend called ``backend`` (sdpa, triton: the names the model's dense
+    backends use, :data:`minillm.attention.BACKENDS`; cpu), or ``backend`` itself once checked
+    (:func:`check_paged_backend`)."""
+    if not isinstance(backend, str):
+        return check_paged_backend(backend)
     try:
-        return PAGED_BACKENDS[name]
+        return PAGED_BACKENDS[backend]
     except KeyError:
-        raise ValueError(f"attention_backend must be one of {sorted(PAGED_BACKENDS)}, "
-                         f"got {name!r}") from None
+        raise ValueError(f"attention_backend must be one of {sorted(PAGED_BACKENDS)} or an "
+                         f"object implementing PagedAttentionBackend, got {backend!r}") from None

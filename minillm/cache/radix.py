@@ -18,7 +18,8 @@ Cache invariants: a node is *referenced* while some reader holds its block (``ac
 of children with ``pins > 0``, so ``pins == 0`` exactly when no block in the node's subtree is
 referenced, and ``num_evictable`` counts those nodes. ``evict`` removes only leaves with
 ``pins == 0`` (least recently used first), so every cached block stays reachable by ``match``.
-This is the interface of the vLLM-style hash cache, so the block manager can use either.
+Both this and the vLLM-style hash cache implement :class:`minillm.cache.prefix.PrefixCache`, so
+the block manager can use either.
 """
 from __future__ import annotations
 

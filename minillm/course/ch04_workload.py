@@ -8,6 +8,9 @@
 - :class:`Recorder`: subscribes to an :class:`~minillm.engine.LLMEngine`'s step hook to keep
   each step's plan (new tokens per request, block moves and their time) and a
   :class:`MemorySnapshot` of the block tables (for memory maps and the explorer widget).
+- :class:`AttentionRecorder`: a paged attention backend, passed in through
+  ``EngineConfig(attention_backend=...)``, that hands every call to another backend and keeps
+  what the first layer received in each step.
 - :func:`serve`: an arrival-driven loop over a *virtual clock*: the clock advances by the
   measured wall time of each engine step and jumps over idle gaps (nobody waits for a request to
   arrive), so a load sweep costs only the compute. ``stop_at`` ends a request at a given number
@@ -22,6 +25,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
+from ..attention.paged import PagedAttentionBackend, PagedMetadata, get_paged_backend
 from ..bench.throughput import Workload
 from ..config import SamplingParams
 from ..engine.engine import LLMEngine
@@ -147,6 +153,32 @@ class Recorder:
         """Stop recording."""
         if self.on_step in self.engine.step_hooks:
             self.engine.step_hooks.remove(self.on_step)
+
+
+class AttentionRecorder:
+    """A :class:`~minillm.attention.paged.PagedAttentionBackend` that delegates every call to
+    ``inner`` (a backend or its name) and keeps, per engine step, what the first layer's call
+    got and gave: ``steps[i]`` holds ``meta`` (the step's metadata), ``q`` and ``out``
+    [N, Hq, D], and copies of that layer's ``k_cache`` and ``v_cache`` [num_blocks,
+    block_size, Hkv, D] taken after the step's new K/V were written. It reads the metadata
+    ``inner`` reads, and must see every call, so the C++ CPU path never replaces it."""
+
+    cpu_fast_path = False
+
+    def __init__(self, inner: str | PagedAttentionBackend) -> None:
+        self.inner = get_paged_backend(inner)
+        self.name = f"recorded {self.inner.name}"
+        self.reads_direct = self.inner.reads_direct
+        self.steps: list[dict] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: PagedMetadata) -> torch.Tensor:
+        out = self.inner(q, k, v, k_cache, v_cache, meta)
+        if not self.steps or self.steps[-1]["meta"] is not meta:    # a step's first layer
+            self.steps.append(dict(meta=meta, q=q.clone(), out=out.clone(),
+                                   k_cache=k_cache.clone(), v_cache=v_cache.clone()))
+        return out
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -321,6 +353,7 @@ def recomputed_tokens(run: RunResult) -> int:
     return computed - sum(r.prompt_len + r.output_len - 1 for r in run.records)
 
 
-__all__ = ["LoadPoint", "MemorySnapshot", "Recorder", "RequestRecord", "RunResult", "StepPlan",
-           "kv_waste", "load_sweep", "lognormal_lengths", "offered_rate", "padded_tokens",
-           "poisson_arrivals", "recomputed_tokens", "serve", "sharegpt_like_workload", "snapshot"]
+__all__ = ["AttentionRecorder", "LoadPoint", "MemorySnapshot", "Recorder", "RequestRecord",
+           "RunResult", "StepPlan", "kv_waste", "load_sweep", "lognormal_lengths", "offered_rate",
+           "padded_tokens", "poisson_arrivals", "recomputed_tokens", "serve",
+           "sharegpt_like_workload", "snapshot"]
