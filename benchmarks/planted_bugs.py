@@ -89,7 +89,7 @@ BUGS = (
         ("tests/test_sampler.py::test_top_k_rows_with_different_k_each_keep_their_own_top_k",)),
     Bug("scheduler-budget", "each admitted prompt gets the whole token budget",
         "minillm/engine/scheduler.py",
-        "            budget -= sum(n for _, n in plan)",
+        "            budget -= used",
         "            pass",
         (STEPS + "test_an_engine_prefilling_several_long_prompts_keeps_its_budget",
          STEPS + "test_several_prompts_admitted_at_once_share_one_budget")),
