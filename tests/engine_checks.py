@@ -51,3 +51,16 @@ def assert_all_free(engine: LLMEngine):
     assert engine.blocks.num_free == engine.blocks.num_blocks
     assert engine.blocks.cpu.num_free == engine.blocks.cpu.num_blocks
     assert engine.blocks.slots_in_use() == 0 and not engine.requests
+
+
+def read_in_turn(streams) -> list[str]:
+    """next() on each stream in turn until all have ended; the text each one yielded."""
+    pieces: list[list[str]] = [[] for _ in streams]
+    live = list(range(len(streams)))
+    while live:
+        for i in list(live):
+            try:
+                pieces[i].append(next(streams[i]))
+            except StopIteration:
+                live.remove(i)
+    return ["".join(p) for p in pieces]

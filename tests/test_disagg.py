@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from engine_checks import read_in_turn
 
 import minillm
 from minillm import SamplingParams
@@ -76,18 +77,10 @@ def test_two_streams_consumed_in_turn_each_get_their_whole_text(reference):
     """next() on one stream, then on the other, until both end: neither loses the outputs
     that arrive while the other is being read."""
     with pair() as llm:
-        streams = [llm.stream(p, GREEDY) for p in PROMPTS[:2]]
-        pieces: list[list[str]] = [[], []]
-        live = [0, 1]
-        while live:
-            for i in list(live):
-                try:
-                    pieces[i].append(next(streams[i]))
-                except StopIteration:
-                    live.remove(i)
+        texts = read_in_turn([llm.stream(p, GREEDY) for p in PROMPTS[:2]])
         outs = llm.generate(PROMPTS[:2], GREEDY)
         assert [o.token_ids for o in outs] == reference[:2]
-        assert ["".join(p) for p in pieces] == [o.text for o in outs]
+        assert texts == [o.text for o in outs]
         assert all(o.text for o in outs) and llm.output_processor.watched == []
 
 

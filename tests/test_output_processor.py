@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from engine_checks import read_in_turn
 
 from minillm import SamplingParams
 from minillm.engine import output_processor as op
@@ -121,16 +122,7 @@ def test_streams_consumed_in_turn_each_get_their_whole_text():
     engine = ScriptedEngine()
     proc = op.OutputProcessor(engine)
     texts = ["a1 a2 a3 a4 a5 a6", "b1 b2 b3"]
-    streams = [proc.stream(t) for t in texts]
-    pieces: list[list[str]] = [[], []]
-    live = [0, 1]
-    while live:
-        for i in list(live):
-            try:
-                pieces[i].append(next(streams[i]))
-            except StopIteration:
-                live.remove(i)
-    assert ["".join(p) for p in pieces] == [t + " " for t in texts]
+    assert read_in_turn([proc.stream(t) for t in texts]) == [t + " " for t in texts]
     assert engine.aborted == [] and proc.watched == []
 
 

@@ -23,13 +23,13 @@ from ..attention.paged import (
     build_metadata,
     get_paged_backend,
 )
-from ..cache.offload import LayerwiseLoad, LoadTiming
+from ..cache.offload import LayerwiseLoad, LoadTiming, TieredKVStore
 from ..cache.pool import PagedBatch, PagedKVPool
 from ..model.packed import can_pack_linears, pack_linears
 from ..model.transformer import Transformer
 from .cpu_forward import CpuForward
 from .plan import RunnerOutput, ScheduledSeq, SchedulerOutput
-from .speculation import tree_inputs
+from .speculation import Speculator, tree_inputs
 from .step_sampler import StepSampler, collects_prompt_logprobs
 
 
@@ -86,15 +86,16 @@ class ModelRunner:
         self.cpu_forward = CpuForward(model)
         self.load_timing = LoadTiming()
         self.tables: Mapping[int, list[int]] = tables if tables is not None else {}
-        self.store = None                   # a TieredKVStore that saves computed chunks
+        self.store: TieredKVStore | None = None   # saves computed chunks after the forward
         self.sampler = StepSampler()        # its .speculator verifies drafts
 
     @property
-    def speculator(self):
+    def speculator(self) -> Speculator | None:
+        """The speculator whose rule verifies drafts and whose drafter reads hidden states."""
         return self.sampler.speculator
 
     @speculator.setter
-    def speculator(self, speculator) -> None:
+    def speculator(self, speculator: Speculator | None) -> None:
         self.sampler.speculator = speculator
 
     def fused_path(self, meta, layers: Collection[int]) -> bool:
