@@ -105,6 +105,7 @@ def test_beam_step_keeps_the_best_continuations_and_frees_the_rest():
                                                                     (0, 82, -5.0), (0, 83, -6.0)]}))
     assert [s.output_ids for s in req.seqs] == [[71, 80], [71, 81]]
     assert seq.seq_id in done.released and seq.seq_id not in sched.blocks.tables
+    assert seq.seq_id in sched.schedule().finished      # the runner hears of dropped beams
     sched.blocks.check()
 
 

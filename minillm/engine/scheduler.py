@@ -325,8 +325,10 @@ class Scheduler:
                 start, entries = out.prompt_logprobs[req.request_id]
                 req.prompt_logprobs[start:] = entries
             if req.request_id in out.beams:
-                upd.released += beam_step(req, out.beams[req.request_id], self.blocks,
-                                          self.eos_token_id, self.max_seq_len)
+                dropped = beam_step(req, out.beams[req.request_id], self.blocks,
+                                    self.eos_token_id, self.max_seq_len)
+                self._finished += dropped          # the runner hears of them too
+                upd.released += dropped
             elif any(s.seq_id in out.samples for s in req.seqs):
                 for s in list(req.seqs):
                     self._take_samples(req, s, out.samples.get(s.seq_id, []), upd)
