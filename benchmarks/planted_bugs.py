@@ -41,6 +41,8 @@ SPEC = "tests/test_spec_verify.py::"
 PREFIX = "tests/test_prefix_cache.py::"
 STEPS = "tests/test_step_policy.py::"
 PAGED = "tests/test_paged_attention_backend.py::"
+CONNECTOR = "tests/test_kv_connector.py::"
+POLICY = "tests/test_policy_seams.py::"
 SHIFT = "(start > 0 and w.num_tokens > 1)"   # a later chunk's positions moved by one
 
 
@@ -132,7 +134,7 @@ BUGS = (
         ("tests/test_block_manager.py::"
          "test_truncating_a_fork_then_writing_leaves_the_parents_kv_alone",)),
     Bug("spec-rejected-kv-kept", "a verified draft's rejected tokens keep their KV slots",
-        "minillm/engine/scheduler.py",
+        "minillm/engine/update.py",
         "        self.blocks.truncate(seq.seq_id, root + 1 + len(path))",
         "        pass",
         ("tests/test_engine_update.py::"
@@ -149,6 +151,32 @@ BUGS = (
         "        for blocks, load in self.loads if layer != 1 else ():\n"
         "            self.pool.write_layer(",
         ("tests/test_offload.py::test_served_from_the_store_after_device_eviction",)),
+    Bug("connector-short-load-runs", "a sequence whose connector load came short runs anyway",
+        "minillm/engine/runner.py",
+        "        run = plan.without(short) if short else plan",
+        "        run = plan",
+        (CONNECTOR + "test_a_short_load_sits_the_step_out_and_is_recomputed",)),
+    Bug("connector-fast-path-no-wait", "the CPU fast path never calls the connector's "
+        "wait_for_layer",
+        "minillm/engine/cpu_forward.py",
+        "            if before_layer is not None:\n                before_layer(i)",
+        "            pass",
+        (CONNECTOR + "test_the_runner_calls_the_connector_around_every_layer",)),
+    Bug("plan-unchecked", "the engine runs a step policy's plan without checking it",
+        "minillm/engine/engine.py",
+        "            check_plan(plan, self.config,",
+        "            (lambda *args: None)(plan, self.config,",
+        (POLICY + "test_a_plan_breaking_a_rule_fails_its_requests_alone",)),
+    Bug("allocator-unchecked", "the pool takes whatever block the allocator hands out",
+        "minillm/cache/block_manager.py",
+        "        if rule is not None:\n            raise AllocatorError(",
+        "        if False:\n            raise AllocatorError(",
+        (POLICY + "test_an_allocator_handing_out_a_used_block_fails_that_request_alone",)),
+    Bug("sampler-unchecked", "the runner appends whatever token the sampler returns",
+        "minillm/engine/step_sampler.py",
+        "        bad = sampler_violations(drawn, len(rows), logits.shape[-1])",
+        "        bad = {}",
+        (POLICY + "test_a_sampler_drawing_outside_the_vocabulary_fails_that_request_alone",)),
 )
 
 

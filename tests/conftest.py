@@ -20,7 +20,7 @@ load_profile()    # hypothesis: a fixed seed in CI, random seeds under `make soa
 @pytest.fixture(scope="session", autouse=True)
 def plans_keep_their_limits():
     """Every plan any scheduler makes during the session is checked against its token budget
-    and sequence limit (``plan_limits``); a plan over either fails the test that made it."""
+    and sequence limit (``plan_limits``); a plan breaking a rule fails the test that made it."""
     from plan_limits import checked
 
     from minillm.engine.scheduler import Scheduler

@@ -119,13 +119,17 @@ def test_the_engine_takes_the_fast_path_and_generates_what_eager_does(real, monk
     assert len(calls) == len(fast.trace)                      # every step went the fast way
 
 
-def test_hooked_layers_and_other_backends_take_the_eager_path(real, monkeypatch):
+def test_hooks_need_fuse_ops_off_and_other_backends_take_the_eager_path(real, monkeypatch):
     model, tok = real
     calls = count_fast_steps(monkeypatch)
     seen = []
     hook = model.layers[5].register_forward_hook(lambda *args: seen.append(1))
     try:
         greedy(LLMEngine(model, tok, EngineConfig(attention_backend="cpu")), [[1, 2, 3]], 3)
+        assert len(calls) == 3 and not seen       # the fast path runs no module hooks
+        calls.clear()
+        greedy(LLMEngine(model, tok, EngineConfig(attention_backend="cpu", fuse_ops=False)),
+               [[1, 2, 3]], 3)
     finally:
         hook.remove()
     assert not calls and len(seen) == 3                        # the hook ran every step

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 from engine_checks import prompts_of, run_all, sharp_model
-from plan_limits import check_plan
 
 from minillm import SamplingParams
 from minillm.cache.block_manager import BlockManager
 from minillm.engine import EngineConfig, LLMEngine
+from minillm.engine.plan import PlanError, check_plan
 from minillm.engine.scheduler import Scheduler, SchedulerConfig
 from minillm.engine.sequence import Request
 
@@ -101,18 +101,19 @@ def test_an_engine_prefilling_several_long_prompts_keeps_its_budget():
 
 
 def test_a_plan_over_a_limit_is_reported():
-    """The check conftest applies to every plan names the limit a plan breaks."""
+    """The check the engine (and conftest) applies to every plan names the limit it breaks."""
     config = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=2)
     sched = Scheduler(config, BlockManager(16, 4), 4096)
     for name in "abc":
         sched.add(Request(name, list(range(6)), SamplingParams(max_tokens=2)))
     plan = sched.schedule()                        # a: 6 tokens, b: a chunk of 2
     assert plan.num_tokens == 8 and len(plan.seqs) == 2
-    check_plan(config, plan)
-    with pytest.raises(AssertionError, match="max_num_batched_tokens=4"):
-        check_plan(SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=2), plan)
-    with pytest.raises(AssertionError, match="max_num_seqs=1"):
-        check_plan(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=1), plan)
+    tables = sched.blocks.tables
+    check_plan(plan, config, tables, 4)
+    with pytest.raises(PlanError, match="max_num_batched_tokens=4"):
+        check_plan(plan, SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=2), tables, 4)
+    with pytest.raises(PlanError, match="max_num_seqs=1"):
+        check_plan(plan, SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=1), tables, 4)
 
 
 def test_preempted_requests_are_computed_again_from_their_first_token():

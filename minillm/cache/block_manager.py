@@ -24,8 +24,9 @@ different slots of it: a *ragged* block), kept as a running count.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -37,29 +38,106 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+class AllocatorError(RuntimeError):
+    """A block allocator broke its contract (the message names it and the rule)."""
+
+
+class BlockAllocator(Protocol):
+    """Which free block is handed out next: a pool's free list. Built as ``cls(num_blocks)``
+    with every block id 0..num_blocks-1 free. ``take`` removes and returns a free block (called
+    only when ``len(self) > 0``); ``put`` makes a block free again; iterating gives the free
+    ids in any order. The pool keeps the reference counts and checks every block ``take``
+    returns (:class:`AllocatorError` for one out of range or in use)."""
+
+    def take(self) -> int: ...
+
+    def put(self, block: int) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[int]: ...
+
+
+class FifoAllocator:
+    """The least recently freed block first (vLLM's free block queue): a freed block's KV
+    survives as long as possible, which a prefix cache can still use."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free = deque(range(num_blocks))
+
+    def take(self) -> int:
+        return self.free.popleft()
+
+    def put(self, block: int) -> None:
+        self.free.append(block)
+
+    def __len__(self) -> int:
+        return len(self.free)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.free)
+
+
+ALLOCATORS: dict[str, Callable[[int], BlockAllocator]] = {"fifo": FifoAllocator}
+
+
 @dataclass
 class BlockPool:
-    """Free list and reference counts of one pool of ``num_blocks`` blocks."""
+    """Reference counts of one pool of ``num_blocks`` blocks, its free list (``allocator``:
+    a :class:`BlockAllocator` class or a name in :data:`ALLOCATORS`) and its prefix cache."""
 
     num_blocks: int
     cache: Any = None     # a prefix cache: its unreferenced blocks wait there, not on the list
+    allocator: str | Callable[[int], BlockAllocator] = "fifo"
     ref: list[int] = field(init=False)
-    free: deque[int] = field(init=False)
+    free: BlockAllocator = field(init=False)
 
     def __post_init__(self) -> None:
         self.ref = [0] * self.num_blocks
-        self.free = deque(range(self.num_blocks))
+        make = ALLOCATORS.get(self.allocator) if isinstance(self.allocator, str) \
+            else self.allocator
+        if make is None:
+            raise ValueError(f"block_allocator must be one of {sorted(ALLOCATORS)} or a "
+                             f"BlockAllocator class, got {self.allocator!r}")
+        self.free = make(self.num_blocks)
+        self.name = getattr(make, "__name__", type(self.free).__name__)
 
     def take(self) -> int:
         """A free block, else the least recently used unreferenced cached block."""
-        if self.free:
-            block = self.free.popleft()
+        if len(self.free):
+            block = self._checked(self.free.take())
         elif self.cache is not None and (block := self.cache.evict()) is not None:
             pass
         else:
             raise NoFreeBlocksError(f"all {self.num_blocks} blocks are in use")
         self.ref[block] = 1
         return block
+
+    def _checked(self, block: object) -> int:
+        """``block`` if a free block id, else AllocatorError naming the allocator and rule."""
+        rule = None
+        if not isinstance(block, int) or isinstance(block, bool) or \
+                not 0 <= block < self.num_blocks:
+            rule = f"not a block id in [0, {self.num_blocks})"
+        elif self.ref[block] or (self.cache is not None and block in self.cache):
+            rule = f"in use ({self.ref[block]} readers)" if self.ref[block] else \
+                "in use (a cached block)"
+        if rule is not None:
+            raise AllocatorError(f"block_allocator: {self.name}.take returned {block!r}, which "
+                                 f"is {rule}: take must return a free block")
+        return block
+
+    def take_many(self, n: int) -> list[int]:
+        """``n`` blocks, or none: on an AllocatorError those taken go back first."""
+        taken: list[int] = []
+        try:
+            for _ in range(n):
+                taken.append(self.take())
+        except AllocatorError:
+            for block in taken:
+                self.release(block)
+            raise
+        return taken
 
     def share(self, block: int) -> None:
         if self.ref[block] == 0 and self.cache is not None:
@@ -72,7 +150,7 @@ class BlockPool:
             if self.cache is not None and block in self.cache:
                 self.cache.release(block)    # kept with its KV until evicted
             else:
-                self.free.append(block)
+                self.free.put(block)
 
     @property
     def num_free(self) -> int:
@@ -83,7 +161,9 @@ class BlockManager:
     """Block tables for sequences (keyed by integer id) over a device pool and a CPU swap pool."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, num_cpu_blocks: int = 0,
-                 watermark: float = 0.01, prefix_cache=None) -> None:
+                 watermark: float = 0.01, prefix_cache=None,
+                 allocator: str | Callable[[int], BlockAllocator] = "fifo") -> None:
+        """``allocator``: the device pool's free list (:class:`BlockAllocator`)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -91,7 +171,7 @@ class BlockManager:
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.block_size = block_size
-        self.device = BlockPool(num_blocks, prefix_cache)
+        self.device = BlockPool(num_blocks, prefix_cache, allocator)
         self.prefix = prefix_cache                  # None: no prefix caching
         self.cached_blocks: dict[int, int] = {}     # seq id -> its leading blocks registered
         self.prefix_queried = self.prefix_hit = 0   # prompt tokens looked up / found
@@ -169,10 +249,15 @@ class BlockManager:
         need = self._need(hit, num_tokens)
         if need > self.num_free:
             raise NoFreeBlocksError(f"need {need} blocks, {self.num_free} free")
-        for block in hit:
+        for block in hit:                   # first: a hit block must not be evicted below
             self.device.share(block)
-        table = hit + [self.device.take()
-                       for _ in range(blocks_for(num_tokens, self.block_size) - len(hit))]
+        try:
+            fresh = self.device.take_many(blocks_for(num_tokens, self.block_size) - len(hit))
+        except AllocatorError:
+            for block in hit:
+                self.device.release(block)
+            raise
+        table = hit + fresh
         self.tables[seq_id] = table
         self.filled[seq_id] = max(num_tokens, len(hit) * self.block_size)
         self._fill_from(seq_id, 0)
@@ -209,7 +294,7 @@ class BlockManager:
         need = blocks_for(capacity, self.block_size)
         if need > self.num_free:
             raise NoFreeBlocksError(f"need {need} blocks, {self.num_free} free")
-        self.tables[seq_id] = [self.device.take() for _ in range(need)]
+        self.tables[seq_id] = self.device.take_many(need)
         self.filled[seq_id] = num_tokens
         self._fill_from(seq_id, 0)
 
@@ -219,14 +304,16 @@ class BlockManager:
         if self.blocks_to_reserve(seq_id, num_tokens) > self.num_free:
             raise NoFreeBlocksError(f"sequence {seq_id} needs more blocks than are free")
         table, filled = self.tables[seq_id], self.filled[seq_id]
+        written = list(self._shared_blocks_written(table, filled, num_tokens))
+        fresh = self.device.take_many(     # a copy for each, then the growth: all or none
+            len(written) + max(0, blocks_for(num_tokens, self.block_size) - len(table)))
         copies = []
-        for i in self._shared_blocks_written(table, filled, num_tokens):
-            src, dst = table[i], self.device.take()
+        for i, dst in zip(written, fresh):
+            src = table[i]
             table[i] = dst
             self._release(src)
             copies.append((src, dst))
-        while len(table) < blocks_for(num_tokens, self.block_size):
-            table.append(self.device.take())
+        table += fresh[len(written):]
         self.filled[seq_id] = max(filled, num_tokens)
         self._fill_from(seq_id, filled // self.block_size)
         return copies
@@ -363,14 +450,15 @@ class BlockManager:
 
     @staticmethod
     def _move(seq_ids, src_tables, dst_tables, src_pool: BlockPool, dst_pool: BlockPool):
-        mapping: dict[int, int] = {}
+        distinct = list(dict.fromkeys(b for s in seq_ids for b in src_tables[s]))
+        mapping = dict(zip(distinct, dst_pool.take_many(len(distinct))))   # each once
+        placed: set[int] = set()
         for s in seq_ids:
             table = src_tables.pop(s)
             for block in table:
-                if block not in mapping:
-                    mapping[block] = dst_pool.take()
-                else:
+                if block in placed:
                     dst_pool.share(mapping[block])
+                placed.add(block)
                 src_pool.release(block)
             dst_tables[s] = [mapping[b] for b in table]
         return list(mapping.items())

@@ -493,20 +493,19 @@ class TieredKVStore:
 
 class LayerwiseLoad:
     """Scatter staged KV into the pool layer by layer on a background thread (a side stream on
-    CUDA) while the forward pass runs; a pre-hook on each layer waits for that layer's copy, and
-    the time it waits is the load's *exposed* time."""
+    CUDA) while the forward pass runs; the runner calls :meth:`wait` before each layer (through
+    its KV connector), and the time it waits is the load's *exposed* time. ``loads``: (block
+    ids tensor, :class:`KVLoad`) pairs."""
 
-    def __init__(self, pool, loads: list[tuple[torch.Tensor, KVLoad]], layers,
+    def __init__(self, pool, loads: list[tuple[torch.Tensor, KVLoad]], n_layers: int,
                  timing: LoadTiming) -> None:
         self.pool, self.loads, self.timing = pool, loads, timing
-        self.ready = [threading.Event() for _ in layers]
+        self.ready = [threading.Event() for _ in range(n_layers)]
         self.cuda = pool.k.device.type == "cuda"
-        self.events = [torch.cuda.Event() for _ in layers] if self.cuda else []
+        self.events = [torch.cuda.Event() for _ in range(n_layers)] if self.cuda else []
         if self.cuda:                 # the side stream starts after the work queued so far
             self.queued = torch.cuda.Event()
             self.queued.record()
-        self.hooks = [layer.register_forward_pre_hook(self._waiter(i))
-                      for i, layer in enumerate(layers)]
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.started = time.perf_counter()
@@ -525,7 +524,7 @@ class LayerwiseLoad:
                 else:
                     self._copy_layer(layer)
                 ready.set()
-        except BaseException as e:      # noqa: BLE001 - re-raised by finish()
+        except BaseException as e:      # noqa: BLE001 - re-raised by wait() and finish()
             self.error = e
             for ready in self.ready:    # no layer waits forever
                 ready.set()
@@ -535,20 +534,19 @@ class LayerwiseLoad:
         for blocks, load in self.loads:
             self.pool.write_layer(layer, blocks, load.kv[0, layer], load.kv[1, layer])
 
-    def _waiter(self, layer: int):
-        def hook(module, args) -> None:
-            start = time.perf_counter()
-            self.ready[layer].wait()
-            if self.cuda:
-                torch.cuda.current_stream().wait_event(self.events[layer])
-            self.timing.exposed_seconds += time.perf_counter() - start
-        return hook
+    def wait(self, layer: int) -> None:
+        """Return once ``layer``'s KV is in the pool; raise if the copy failed."""
+        start = time.perf_counter()
+        self.ready[layer].wait()
+        if self.error is not None:
+            self.finish()
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self.events[layer])
+        self.timing.exposed_seconds += time.perf_counter() - start
 
     def finish(self) -> None:
-        """Wait for the copy thread and remove the hooks (after the forward pass)."""
+        """Wait for the copy thread (after the forward pass); raise if the copy failed."""
         self.thread.join()
-        for h in self.hooks:
-            h.remove()
         self.timing.loads += 1
         if self.error is not None:
             raise RuntimeError("loading stored KV failed") from self.error

@@ -18,9 +18,11 @@ rank 0, decode workers are ranks 1..n. The protocol, for each request:
    A request that the first token already finished is dropped (``("dropped", rid)`` if it was
    never pulled), so every request ends its prefill-side hold with exactly one ack or drop.
 
-The prefill worker keeps a prompt's blocks (``BlockManager.hold``) until that ack; with
+The prefill worker keeps a prompt's blocks (``LLMEngine.hold_kv``) until that ack; with
 ``standby`` (DejaVu-style) it keeps them until the router's ``("release", rid)`` at the end of
 the request, so a re-routed request can pull its prompt KV again instead of recomputing it.
+Workers use the engine's public API; their KV connector (:class:`WorkerConnector`) is how they
+read and write its KV pool, and how the prefill worker sends layers from inside the forward.
 """
 from __future__ import annotations
 
@@ -36,11 +38,12 @@ import torch
 import torch.distributed as dist
 
 from ..cache.block_manager import blocks_for
+from ..cache.pool import PagedKVPool
 from ..config import SamplingParams
 from ..engine.config import EngineConfig
+from ..engine.connector import KVConnector
 from ..engine.engine import LLMEngine
-from ..engine.scheduler import SchedulerOutput
-from ..engine.sequence import new_seq_id
+from ..engine.plan import SchedulerOutput
 from .transfer import (
     Transfer,
     Waiter,
@@ -101,9 +104,11 @@ def worker_main(rank: int, spec: WorkerSpec, links: dict) -> None:
         from ..checkpoint.loader import load_model
         model, tok = load_model(spec.model, device="cpu", dtype=spec.dtype, seed=spec.seed,
                                 random_weights=spec.random_weights)
-        engine = LLMEngine(model, tok, EngineConfig(**spec.engine_options))
+        connector = WorkerConnector()
+        engine = LLMEngine(model, tok, EngineConfig(**spec.engine_options,
+                                                    kv_connector=connector))
         role = PrefillWorker if rank == PREFILL_RANK else DecodeWorker
-        worker = role(rank, engine, spec, links)
+        worker = role(rank, engine, spec, links, connector)
         links[rank, ROUTER].put(("ready", rank, os.getpid()))
         worker.serve()
     except BaseException:  # noqa: BLE001 - every failure goes back to the router
@@ -113,11 +118,39 @@ def worker_main(rank: int, spec: WorkerSpec, links: dict) -> None:
             dist.destroy_process_group()
 
 
+class WorkerConnector(KVConnector):
+    """A worker's KV connector: the engine's KV pool for the worker's transfers, and, on the
+    prefill worker, the layer-by-layer sends of the step that completes a pulled prompt (its
+    scheduler half notes the held prompts a plan completes; the runner calls ``save_layer``
+    after each layer)."""
+
+    def __init__(self) -> None:
+        self.pool: PagedKVPool | None = None
+        self.sender: PrefillWorker | None = None
+
+    def register_kv_pool(self, pool: PagedKVPool, tables: dict[int, list[int]]) -> None:
+        self.pool = pool
+
+    def build_meta(self, plan: SchedulerOutput) -> list[tuple[str, list[int]]]:
+        return self.sender.completing_prompts(plan) if self.sender is not None else []
+
+    def start_load(self, plan: SchedulerOutput) -> dict[int, int]:
+        if self.sender is not None:
+            self.sender.start_streams(plan.connector_meta)
+        return {}
+
+    def save_layer(self, layer: int) -> None:
+        if self.sender is not None:
+            self.sender.layer_done(layer)
+
+
 class Worker:
     """The loop both roles share: read messages, note finished transfers, step the engine."""
 
-    def __init__(self, rank: int, engine: LLMEngine, spec: WorkerSpec, links: dict) -> None:
+    def __init__(self, rank: int, engine: LLMEngine, spec: WorkerSpec, links: dict,
+                 connector: WorkerConnector) -> None:
         self.rank, self.engine, self.spec, self.links = rank, engine, spec, links
+        self.kv = connector
         self.incoming = [q for (src, dst), q in sorted(links.items()) if dst == rank]
         self.jobs: dict[str, Job] = {}
         self.sent_tokens: dict[str, int] = {}      # request -> output tokens reported so far
@@ -159,8 +192,8 @@ class Worker:
         return msgs
 
     def stats(self) -> dict:
-        b = self.engine.blocks
-        return {"num_used": b.num_used, "num_free": b.num_free, "held": len(b.holds),
+        s = self.engine.stats()
+        return {"num_used": s.blocks_used, "num_free": s.blocks_free, "held": s.num_held,
                 "requests": len(self.engine.requests)}
 
     def report_tokens(self, outs) -> None:
@@ -196,10 +229,7 @@ class PrefillWorker(Worker):
         self.completing: list[tuple[str, list[int]]] = []    # this step's, not yet pulled
         self.sending: dict[str, Transfer] = {}
         self.over: OrderedDict[str, None] = OrderedDict()   # released requests (recent ones)
-        self.engine.plan_hooks.append(self._on_plan)
-        if self.spec.layerwise:
-            for i, layer in enumerate(self.engine.model.layers):
-                layer.register_forward_hook(self._layer_hook(i))
+        self.kv.sender = self
 
     def handle(self, msg: tuple) -> None:
         kind, rid = msg[0], msg[1]
@@ -222,9 +252,7 @@ class PrefillWorker(Worker):
         params = job.params if colocated else replace(job.params, max_tokens=1)
         self.engine.add_request(job.prompt_ids, params, request_id=rid)
         if not colocated:
-            seq = self.engine.requests[rid].seqs[0]
-            self.seq_of[rid] = seq.seq_id
-            self.engine.blocks.hold(seq.seq_id)
+            self.seq_of[rid] = self.engine.hold_kv(rid)
 
     def _pulled(self, rid: str, rank: int, index: int, num_blocks: int) -> None:
         """Every pull is answered once: with the KV when it is complete (now, or from the
@@ -232,7 +260,7 @@ class PrefillWorker(Worker):
         may overtake the router's job message: it waits for the job.)"""
         if rid in self.over:
             transfer = Transfer(rid)
-            zeros = staging_buffer(self.engine.runner.pool, num_blocks)
+            zeros = staging_buffer(self.kv.pool, num_blocks)
             zeros.zero_()
             for layer in range(zeros.shape[0]):
                 send_tensor(transfer, zeros[layer], rank, index, layer, zeros.shape[0])
@@ -248,26 +276,27 @@ class PrefillWorker(Worker):
             self.over.popitem(last=False)
         seq_id = self.seq_of.pop(rid, None)
         if seq_id is not None:
-            self.engine.blocks.release(seq_id)
+            self.engine.release_kv(seq_id)
         self.kv_ready.pop(rid, None)
         self.jobs.pop(rid, None)
         if rid in self.pulls:           # pulled but never sent: answered with zeros
             self._pulled(rid, *self.pulls.pop(rid))
 
     def _blocks(self, rid: str) -> list[int]:
-        seq_id = self.seq_of[rid]
-        table = self.engine.blocks.tables.get(seq_id) or self.engine.blocks.held_table(seq_id)
-        return table[:blocks_for(len(self.jobs[rid].prompt_ids), self.engine.blocks.block_size)]
+        return self.engine.kv_blocks(self.seq_of[rid], len(self.jobs[rid].prompt_ids))
 
     # ---- layer by layer: the step that completes a pulled prompt sends it as it computes ------
-    def _on_plan(self, engine: LLMEngine, plan: SchedulerOutput) -> None:
-        """Note the prompts this step completes: their layers leave during the forward."""
-        self.streaming, self.completing = [], []
+    def completing_prompts(self, plan: SchedulerOutput) -> list[tuple[str, list[int]]]:
+        """(request, blocks) of the held prompts ``plan`` completes (with ``layerwise``)."""
         if not self.spec.layerwise:
-            return
+            return []
         owner = {s: r for r, s in self.seq_of.items()}
-        self.completing = [(owner[w.seq.seq_id], self._blocks(owner[w.seq.seq_id]))
-                           for w in plan.seqs if w.completes and w.seq.seq_id in owner]
+        return [(owner[w.seq.seq_id], self._blocks(owner[w.seq.seq_id]))
+                for w in plan.seqs if w.completes and w.seq.seq_id in owner]
+
+    def start_streams(self, completing: list[tuple[str, list[int]]]) -> None:
+        """The forward pass begins: stream the completing prompts already pulled."""
+        self.streaming, self.completing = [], list(completing or ())
         self._stream_pulled(0)
 
     def _stream_pulled(self, done_layers: int) -> None:
@@ -280,25 +309,25 @@ class PrefillWorker(Worker):
                 self.streaming.append((rid, transfer, blocks))
                 rank, index, _ = self.pulls[rid]
                 for layer in range(done_layers):
-                    send_layer(transfer, self.engine.runner.pool, blocks, layer, rank, index)
+                    send_layer(transfer, self.kv.pool, blocks, layer, rank, index)
 
     def _new_transfer(self, rid: str) -> Transfer:
         self.sending[rid] = Transfer(rid)
         return self.sending[rid]
 
-    def _layer_hook(self, layer: int):
-        def hook(module, args, output) -> None:
-            if self.completing:               # pulls that came in since the step began
-                for msg in self._read(block=False):
-                    if msg[0] == "pull":
-                        self.handle(msg)
-                    else:
-                        self.deferred.append(msg)
-                self._stream_pulled(layer)
-            for rid, transfer, blocks in self.streaming:
-                rank, index, _ = self.pulls[rid]
-                send_layer(transfer, self.engine.runner.pool, blocks, layer, rank, index)
-        return hook
+    def layer_done(self, layer: int) -> None:
+        """Layer ``layer`` of the forward pass has computed: send it for every streaming
+        prompt (first picking up pulls that came in since the step began)."""
+        if self.completing:
+            for msg in self._read(block=False):
+                if msg[0] == "pull":
+                    self.handle(msg)
+                else:
+                    self.deferred.append(msg)
+            self._stream_pulled(layer)
+        for rid, transfer, blocks in self.streaming:
+            rank, index, _ = self.pulls[rid]
+            send_layer(transfer, self.kv.pool, blocks, layer, rank, index)
 
     def _send_whole(self, rid: str) -> None:
         """All layers of a prompt whose KV is complete, to the rank that pulled it."""
@@ -306,7 +335,7 @@ class PrefillWorker(Worker):
         transfer, blocks = self._new_transfer(rid), self._blocks(rid)
         transfer.ready = self.kv_ready[rid]
         for layer in range(self.engine.model.cfg.n_layers):
-            send_layer(transfer, self.engine.runner.pool, blocks, layer, rank, index)
+            send_layer(transfer, self.kv.pool, blocks, layer, rank, index)
         self.waiter.watch(transfer)
 
     def work(self) -> None:
@@ -411,9 +440,8 @@ class DecodeWorker(Worker):
         n = len(job.prompt_ids)
         if not self.engine.can_adopt(n + len(job.output_ids)):
             return False
-        seq_id = new_seq_id()
-        self.engine.blocks.allocate(seq_id, n)
-        pool = self.engine.runner.pool
+        seq_id = self.engine.allocate_kv(n)
+        pool = self.kv.pool
         transfer = Transfer(rid)
         receive_all(transfer, staging_buffer(pool, blocks_for(n, pool.block_size)),
                     PREFILL_RANK, job.index)
@@ -436,13 +464,13 @@ class DecodeWorker(Worker):
         rid = transfer.request_id
         seq_id, _ = self.pulled.pop(rid)
         if transfer.error is None:
-            scatter(self.engine.runner.pool, self.engine.blocks.tables[seq_id],
+            scatter(self.kv.pool, self.engine.kv_blocks(seq_id, len(self.jobs[rid].prompt_ids)),
                     transfer.buffers[0])
         self.send(PREFILL_RANK, ("ack", self.jobs[rid].kv_key))
         self.send(ROUTER, ("received", rid, {"bytes": transfer.nbytes, "start": transfer.started,
                                            "end": transfer.finished, "error": transfer.error}))
         if transfer.error is not None:
-            self.engine.blocks.free(seq_id)
+            self.engine.free_kv(seq_id)
             self.jobs.pop(rid, None)
             return
         self.arrived[rid] = seq_id
@@ -456,7 +484,7 @@ class DecodeWorker(Worker):
         token, finished = self.first.pop(rid)
         job = self.jobs.pop(rid) if finished is not None else self.jobs[rid]
         if finished is not None:
-            self.engine.blocks.free(seq_id)
+            self.engine.free_kv(seq_id)
             return
         outputs = job.output_ids + ([token] if token is not None else [])
         self.engine.add_prefilled(job.prompt_ids, job.params, outputs, seq_id, request_id=rid)

@@ -4,15 +4,15 @@
       LLMEngine.add_request    intake: validate, a Request with one Sequence, queued
       LLMEngine.step           three calls that pass values (plan.py says what crosses):
         scheduler.schedule()                 -> SchedulerOutput: tokens per sequence, block
-                                                moves, stored KV to load (pure Python)
-        runner.execute(plan)                 -> RunnerOutput: forward over the paged pool,
-                                                sampled tokens, drafts verified (the device)
+                                                moves, the KV connector's loads (no I/O)
+        runner.execute(plan)                 -> RunnerOutput: the connector's loads, forward
+                                                over the paged pool (it waits and saves per
+                                                layer), sampled tokens, drafts verified
         scheduler.update_from_output(..)     -> StepUpdate: advance, roll back, append, fork
                                                 (policies.py: n > 1, beams), finish, free
       request_output(req)      text deltas per completion, back to the inboxes
-Parallel workers and stored KV: ``minillm.disagg`` drives engines through this API; the tiered
-store (``minillm.cache.offload``) loads at admission and saves after each forward.
-Chapter 04's workloads and recorders: :mod:`minillm.course.ch04_workload`.
+The seams (each named in ``EngineConfig``): step policy, block allocator, prefix cache, KV
+connector (connector.py: the tiered store, disaggregation), attention backend, speculator.
 """
 from .config import EngineConfig
 from .engine import LLMEngine

@@ -2,15 +2,19 @@
 rest (:class:`EngineConfig`), and the sizing of the KV pool."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 
 from ..attention.paged import PagedAttentionBackend, get_paged_backend
+from ..cache.block_manager import BlockAllocator
 from ..cache.offload import OffloadConfig, physical_memory
 from ..cache.pool import block_bytes
 from ..cache.prefix import PrefixCache, PrefixCacheFactory, check_prefix_cache
 from ..model.transformer import Transformer
+from .connector import KVConnector
+from .sampler import Sampler
 
 BATCHING = ("continuous", "static")
 POLICIES = ("fcfs", "priority")
@@ -95,6 +99,17 @@ class EngineConfig(SchedulerConfig):
     disk_bytes, chunk_tokens, layerwise) puts a tiered store (CPU memory, then disk files)
     behind the prefix cache: computed chunks are saved there and loaded back for any request
     whose prompt starts with them, also in another process sharing ``disk_dir``.
+    ``kv_connector``: any other :class:`~.connector.KVConnector` (disaggregation's prefill
+    workers pass theirs). ``scheduler_cls``: a step policy of your own, a subclass of
+    :class:`~.scheduler.Scheduler` (vLLM's option of that name); the engine checks each of its
+    plans (:func:`~.plan.check_plan`) and fails the requests of a plan that breaks a rule.
+    ``block_allocator``: which free block the device pool hands out next: "fifo" (the least
+    recently freed first) or a :class:`~minillm.cache.block_manager.BlockAllocator` class;
+    a block it hands out that is in use fails the request that asked for it.
+    ``sampler``: draws the next token of each row (:class:`~.sampler.Sampler`; None: the
+    package's :func:`~.sampler.sample_rows`); a row whose token it gets wrong fails its request.
+    ``fuse_ops``: the runner's CPU fast path (:mod:`~.cpu_forward`) where it applies; it runs
+    no ``nn.Module`` hooks, so turn it off to hook the model's layers.
     """
 
     block_size: int = 16
@@ -109,10 +124,21 @@ class EngineConfig(SchedulerConfig):
     enable_prefix_caching: bool = False
     prefix_cache: str | PrefixCacheFactory = "hash"
     kv_offload: OffloadConfig | dict | None = None
+    kv_connector: KVConnector | None = None
+    scheduler_cls: type | None = None
+    block_allocator: str | Callable[[int], BlockAllocator] = "fifo"
+    fuse_ops: bool = True
+    sampler: Sampler | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.kv_connector is not None and not isinstance(self.kv_connector, KVConnector):
+            raise ValueError(f"kv_connector must be a minillm.engine.connector.KVConnector, got "
+                             f"{type(self.kv_connector).__name__}")
         if self.kv_offload is not None:
+            if self.kv_connector is not None:
+                raise ValueError("kv_offload is a KV connector of its own: pass kv_offload or "
+                                 "kv_connector, not both")
             object.__setattr__(self, "kv_offload", OffloadConfig.from_options(self.kv_offload))
             if not self.enable_prefix_caching:
                 raise ValueError("kv_offload needs enable_prefix_caching=True (stored chunks "

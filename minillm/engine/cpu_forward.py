@@ -21,10 +21,11 @@ here and there differs and, over 30 layers, bfloat16 greedy text can part from t
 after some tokens, as it does between batch sizes (``tests/test_cpu_forward.py``: as close to a
 float64 forward as the eager path, float32 within 1e-5 of it, the same greedy float32 text).
 :func:`supports` says when it applies: a dense Llama-family model (no QK-norm, no experts) on
-the CPU with the C++ kernels built and no hooks; the runner also requires the ``cpu`` backend
-(not wrapped) and no tree masks (the
-KV transfer of chapter 07 and the layer-wise loads of chapter 08 hook the layers; they, and
-every other case, take the eager path). ``python benchmarks/cpu_forward_bench.py`` measures it.
+the CPU with the C++ kernels built; the runner also requires the ``cpu`` backend (not wrapped)
+and no tree masks (every other case takes the eager path). Like a compiled graph, it runs no
+``nn.Module`` hooks: to hook the layers, turn it off (``EngineConfig(fuse_ops=False)``). The KV
+connector's per-layer calls run here as in the eager path.
+``python benchmarks/cpu_forward_bench.py`` measures it.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from torch import nn
 from ..cache.pool import PagedBatch
 from ..model.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
 from ..model.packed import PackedGroup, PackedLinear, can_pack_linears
-from ..model.transformer import Block, Transformer
+from ..model.transformer import Block, LayerCall, Transformer
 
 
 def _kernels():
@@ -63,9 +64,6 @@ def supports(model: Transformer) -> bool:
     fused, attention = _kernels()
     if model.device.type != "cpu" or model.dtype not in \
             fused.DTYPES or not (fused.available() and attention.available()):
-        return False
-    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks \
-            or any(_hooked(m) for m in model.modules()):
         return False
     return type(model.norm) is RMSNorm and all(_plain_layer(b, model) for b in model.layers)
 
@@ -117,10 +115,6 @@ def _matmul_of(module: nn.Module, names: tuple[str, ...]) -> Callable[[torch.Ten
     return lambda x: _matmul(x, packed)
 
 
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks)
-
-
 def _matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [N, K] @ W^T for a weight packed by ``torch.ops.mkldnn._reorder_linear_weight``."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -128,7 +122,7 @@ def _matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 class CpuForward:
     """The fast forward for one model, watching what it depends on cheaply: each step
-    compares the model's modules, their hooks and the weights' versions with those it last
+    compares the model's modules and the weights' versions with those it last
     saw (~0.1 ms), and only when they changed walks the model again (:func:`supports`) and
     looks its packed weights up (oneDNN's layout, per layer [Wq Wk Wv], Wo, [Wg Wu], Wd). Calling
     the packed linears instead would cost their own checks, 20-35 us a call here: a tenth of
@@ -141,14 +135,11 @@ class CpuForward:
         self.matmuls: list[tuple[Callable[[torch.Tensor], torch.Tensor], ...]] = []
 
     def _unchanged(self) -> bool:
-        """No global hook, and every module's children, hooks and weight versions as when
-        :meth:`applies` last looked (~0.15 ms of identity checks)."""
+        """Every module's children and weight versions as when :meth:`applies` last looked
+        (~0.1 ms of identity checks)."""
         return self._seen is not None \
-            and not (nn.modules.module._global_forward_hooks
-                     or nn.modules.module._global_forward_pre_hooks) \
             and all(d.get(k) is c for d, k, c in self._seen[0]) \
-            and all(_hooked(m) is hooked for m, hooked in self._seen[1]) \
-            and all(p._version == v for p, v in self._seen[2])
+            and all(p._version == v for p, v in self._seen[1])
 
     def applies(self) -> bool:
         """Whether :meth:`__call__` computes this model's forward now."""
@@ -159,16 +150,19 @@ class CpuForward:
                         for b in self.model.layers] if self.supported else []
         modules = list(self.model.modules())
         self._seen = ([(m._modules, k, c) for m in modules for k, c in m._modules.items()],
-                      [(m, _hooked(m)) for m in modules],
                       [(p, p._version) for p in self.model.parameters() if not p.is_inference()])
         return self.supported
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
-                 keep: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 keep: Collection[int] = (), before_layer: LayerCall | None = None,
+                 after_layer: LayerCall | None = None
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """input_ids, positions [N] (the step's flat batch) -> (final normed hidden states
         [N, D], {layer: residual stream after it [N, D]} for the layers in ``keep``); stores
-        each layer's K/V at ``batch.meta.slot_mapping`` of ``batch.pool``. Call after
-        :meth:`applies`; every sequence of ``batch.meta`` must be in ``meta.direct``."""
+        each layer's K/V at ``batch.meta.slot_mapping`` of ``batch.pool``, calling
+        ``before_layer(i)`` / ``after_layer(i)`` around layer i as ``forward_layers`` does.
+        Call after :meth:`applies`; every sequence of ``batch.meta`` must be in
+        ``meta.direct``."""
         fused, attention = _kernels()
         model, meta, pool = self.model, batch.meta, batch.pool
         cfg, dt = model.cfg, model.dtype
@@ -182,6 +176,8 @@ class CpuForward:
 
         delta, kept = None, {}
         for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(model.layers, self.matmuls)):
+            if before_layer is not None:
+                before_layer(i)
             q, k, v = qkv(norm(delta, layer.attn_norm)).split(
                 [hq * hd, hkv * hd, hkv * hd], dim=1)                # views of one [N, .]
             q_rot = fused.rope_store_into(q, k, v, cos, sin, pool.k[i], pool.v[i],
@@ -192,6 +188,8 @@ class CpuForward:
             delta = o(out.view(n, -1))
             gate, up = gate_up(norm(delta, layer.ffn_norm)).chunk(2, dim=1)
             delta = down(fused.silu_mul_into(gate, up, torch.empty(n, gate.shape[1], dtype=dt)))
+            if after_layer is not None:
+                after_layer(i)
             if i in keep:
                 x.add_(delta)
                 delta, kept[i] = None, x.clone()

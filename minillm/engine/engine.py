@@ -25,20 +25,22 @@ from ..config import SamplingParams
 from ..model.transformer import Transformer
 from ..sampling import make_generator
 from .config import EngineConfig, make_prefix_cache, pool_sizes
+from .connector import StoreConnector
 from .detokenizer import IncrementalDetokenizer
+from .handoff import KVHandoff
 from .intake import validate_request
 from .outputs import EngineStats, RequestOutput, StepRecord, request_output, step_record
-from .plan import SchedulerOutput
+from .plan import PlanError, SchedulerOutput, check_plan
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import Request, Sequence, Status
+from .sequence import Request, Status
 from .speculation import Speculator, propose_drafts
 
 StepHook = Callable[["LLMEngine", StepRecord], None]
 PlanHook = Callable[["LLMEngine", SchedulerOutput], None]
 
 
-class LLMEngine:
+class LLMEngine(KVHandoff):
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None,
                  config: EngineConfig | None = None,
                  speculator: Speculator | None = None) -> None:
@@ -52,19 +54,26 @@ class LLMEngine:
         cache = make_prefix_cache(config.prefix_cache, config.block_size) \
             if config.enable_prefix_caching else None
         self.blocks = BlockManager(num_blocks, config.block_size, num_cpu, config.watermark,
-                                   cache)
+                                   cache, config.block_allocator)
         self.offload = TieredKVStore(
             config.kv_offload, model_fingerprint(model), config.block_size,
             block_bytes(model.cfg, 1, model.dtype)) if config.kv_offload else None
-        self.scheduler = Scheduler(config.scheduler_config(), self.blocks, model.cfg.max_seq_len,
-                                   self.offload, model.cfg.eos_token_id)
+        self.connector = StoreConnector(self.offload, config.kv_offload.layerwise) \
+            if self.offload is not None else config.kv_connector
+        policy = config.scheduler_cls or Scheduler
+        if not (isinstance(policy, type) and issubclass(policy, Scheduler)):
+            raise ValueError(f"scheduler_cls must be a subclass of minillm.engine.scheduler."
+                             f"Scheduler, got {policy!r}")
+        self.scheduler = policy(
+            config.scheduler_config(), self.blocks, model.cfg.max_seq_len, self.connector,
+            model.cfg.eos_token_id)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu, backend,
                                   config.pack_linears, config.max_num_batched_tokens,
-                                  config.max_num_seqs, config.static_buffers, self.blocks.tables)
-        if self.offload is not None:
-            self.runner.store = self.offload
-            self.runner.layerwise_loads = config.kv_offload.layerwise
-            self.runner.load_timing = self.offload.timing
+                                  config.max_num_seqs, config.static_buffers, self.blocks.tables,
+                                  self.connector)
+        self.runner.fuse_ops = config.fuse_ops
+        if config.sampler is not None:
+            self.runner.sampler.sampler = config.sampler
         self.requests: dict[str, Request] = {}
         self.trace: deque[StepRecord] = deque(maxlen=config.trace_steps)
         self.step_hooks: list[StepHook] = []
@@ -141,36 +150,6 @@ class LLMEngine:
         req.generator = make_generator(req.params.seed, self.model.device)
         self.requests[req.request_id] = req
 
-    def can_adopt(self, prompt_len: int) -> bool:
-        """Room now for one more running sequence whose ``prompt_len`` tokens come computed
-        (blocks above the watermark, one more decode slot, a free sequence slot)?"""
-        live = sum(len(r.seqs) for r in self.scheduler.running)
-        return live < self.config.max_num_seqs and self.blocks.can_allocate(prompt_len + 1)
-
-    def add_prefilled(self, prompt_ids: list[int], params: SamplingParams,
-                      output_ids: list[int], seq_id: int, request_id: str | None = None,
-                      arrival_time: float | None = None) -> str:
-        """Adopt a request whose prompt was computed elsewhere (a disaggregated prefill worker):
-        the prompt's K/V is already in the blocks of ``seq_id`` (allocated by the caller), and
-        ``output_ids`` (>= 1) were sampled so far. The request joins the running batch: the
-        next step decodes after its last token (tokens between are computed first)."""
-        ids, _ = self.validate(list(prompt_ids), params)
-        if params.n > 1 or params.use_beam_search:
-            raise ValueError("add_prefilled takes one sequence: n and beam_width must be 1")
-        table = self.blocks.tables.get(seq_id)
-        if table is None or len(table) < blocks_for(len(ids), self.blocks.block_size):
-            raise ValueError(f"seq_id {seq_id} must own blocks for the {len(ids)} prompt tokens")
-        if not output_ids:
-            raise ValueError("output_ids must hold at least the first sampled token")
-        seq = Sequence(ids + [int(t) for t in output_ids], len(ids), seq_id=seq_id,
-                       num_computed=len(ids))
-        req = Request(self._new_id(request_id), ids, params, seqs=[seq])
-        self._register(req, arrival_time)
-        req.metrics.first_scheduled = req.metrics.first_token = time.perf_counter()
-        req.status = Status.RUNNING
-        self.scheduler.running.append(req)
-        return req.request_id
-
     def abort(self, request_id: str) -> bool:
         """Stop an unfinished request now and free its blocks. A finished or unknown id is a
         no-op (a client may cancel after the last token); returns whether it aborted one."""
@@ -188,7 +167,7 @@ class LLMEngine:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), len(s.swapped), self.blocks.num_used,
                            self.blocks.num_free, self.blocks.slots_in_use(),
-                           self.blocks.block_size)
+                           self.blocks.block_size, len(self.blocks.holds))
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -196,9 +175,18 @@ class LLMEngine:
         finished in this step."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
+        if self.connector is not None:
+            plan.connector_meta = self.connector.build_meta(plan)
         failed = [self._drop(r) for r in plan.failed]
         if plan.is_empty:
             return failed
+        try:
+            check_plan(plan, self.config, self.blocks.tables, self.blocks.block_size,
+                       type(self.scheduler).__name__)
+        except PlanError as e:              # a custom policy's plan: its requests fail
+            self.runner.move_blocks(plan)   # (the block manager moved them already)
+            self._fail({r.request_id: str(e) for r in plan.requests}, plan.requests)
+            return failed + [self._drop(r) for r in plan.requests]
         for req in plan.requests:
             if req.metrics.first_scheduled is None:
                 req.metrics.first_scheduled = start
@@ -209,6 +197,7 @@ class LLMEngine:
         out = self.runner.execute(plan)
         done = self.scheduler.update_from_output(plan, out)
         self._release(done.released)
+        self._fail(out.errors, done.changed)
         if self.speculator is not None:
             self._fail(propose_drafts(self.speculator, plan, out, done,
                                       self.model.cfg.max_seq_len, self.model.cfg.vocab_size),
@@ -236,10 +225,10 @@ class LLMEngine:
                 changed.append(req)
 
     def _release(self, seq_ids: list[int]) -> None:
-        """Sequences that left: the store and the drafter forget them."""
+        """Sequences that left: the KV connector and the drafter forget them."""
         for seq_id in seq_ids:
-            if self.offload is not None:
-                self.offload.forget(seq_id)
+            if self.connector is not None:
+                self.connector.request_finished(seq_id)
             if self.speculator is not None:
                 self.speculator.release(seq_id)
 

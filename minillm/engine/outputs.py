@@ -96,6 +96,7 @@ class EngineStats:
     blocks_free: int
     slots_used: int        # token slots holding K/V (a shared slot counted once)
     block_size: int
+    num_held: int = 0      # sequences whose blocks a KV hand-off keeps (KVHandoff.hold_kv)
 
     @property
     def kv_waste(self) -> float:

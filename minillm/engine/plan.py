@@ -11,10 +11,14 @@ the runner never writes a sequence, the scheduler never touches the device.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from .sequence import Request, Sequence
+
+if TYPE_CHECKING:
+    from .config import SchedulerConfig
 
 
 @dataclass
@@ -36,17 +40,17 @@ class SchedulerOutput:
     """One step's plan. ``requests``: those that run; ``seqs``: what each of their sequences
     computes. Block moves for the runner to do first, in this order: ``swap_out`` (device
     block, CPU block), ``swap_in`` (CPU block, device block), ``copies`` (src, dst:
-    copy-on-write), then ``loads`` (stored KV for new blocks of admitted sequences,
-    :class:`minillm.cache.offload.KVLoad`). ``finished``: sequences that left since the last
-    plan (a runner drops any state it keeps for them). ``failed``: requests ended with
-    finish_reason "error" while planning (their ``error`` says why)."""
+    copy-on-write). ``connector_meta``: what the KV connector's worker half must do (loads
+    of admitted sequences' stored KV; :mod:`.connector`). ``finished``: sequences that left
+    since the last plan (a runner drops any state it keeps for them). ``failed``: requests
+    ended with finish_reason "error" while planning (their ``error`` says why)."""
 
     requests: list[Request] = field(default_factory=list)
     seqs: list[ScheduledSeq] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
-    loads: list = field(default_factory=list)
+    connector_meta: Any = None
     preempted: list[Request] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)   # ended by a broken component
@@ -63,6 +67,14 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+    def without(self, seq_ids: Collection[int]) -> SchedulerOutput:
+        """This plan less the sequences ``seq_ids`` and their requests (those that sit the step
+        out); the block moves and the rest are shared."""
+        gone = set(seq_ids)
+        return replace(self, seqs=[w for w in self.seqs if w.seq.seq_id not in gone],
+                       requests=[r for r in self.requests
+                                 if not any(s.seq_id in gone for s in r.seqs)])
 
 
 @dataclass
@@ -89,7 +101,10 @@ class RunnerOutput:
     best first, as (beam index, token, log-probability of the token), 2 x beam_width of them.
     ``prompt_logprobs[request_id]``: (first prompt position, entries) this step computed.
     ``rows[seq_id]``: the sequence's rows of the flat batch; ``hidden[layer]``: [N, D] states
-    (for drafters); ``move_seconds``: time spent on the KV moves before the forward."""
+    (for drafters); ``move_seconds``: time spent on the KV moves before the forward.
+    ``short_loads[seq_id]``: a sequence whose connector load came short sat the step out; the
+    tokens of it whose KV is valid. ``errors[request_id]``: a request a component failed
+    (the sampler broke its contract for its row): it gets no sample and ends with "error"."""
 
     samples: dict[int, list[Sample]] = field(default_factory=dict)
     beams: dict[str, list[tuple[int, int, float]]] = field(default_factory=dict)
@@ -97,6 +112,8 @@ class RunnerOutput:
     rows: dict[int, slice] = field(default_factory=dict)
     hidden: dict[int, Any] = field(default_factory=dict)
     move_seconds: float = 0.0
+    short_loads: dict[int, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,3 +129,39 @@ class StepUpdate:
     kept_rows: dict[int, list[int]] = field(default_factory=dict)
     forked: dict[int, int] = field(default_factory=dict)
     released: list[int] = field(default_factory=list)
+
+
+class PlanError(ValueError):
+    """A step policy's plan broke a rule the runner relies on (the message names both)."""
+
+
+def check_plan(plan: SchedulerOutput, config: SchedulerConfig, tables: Mapping[int, list[int]],
+               block_size: int, policy: str = "Scheduler") -> None:
+    """Raise :class:`PlanError` naming ``policy`` and the rule when ``plan`` breaks one: at
+    most ``config.max_num_batched_tokens`` tokens (without chunked prefill, a prompt longer than
+    that may run whole, alone in its step) and ``config.max_num_seqs`` sequences; each sequence
+    once, computing between 1 and its uncomputed tokens, into device blocks it owns."""
+    def broken(rule: str) -> PlanError:
+        return PlanError(f"step policy {policy}: {rule}")
+
+    tokens = plan.num_tokens
+    alone = not config.enable_chunked_prefill and len(plan.requests) == 1
+    if tokens > config.max_num_batched_tokens and not alone:
+        raise broken(f"the plan holds {tokens} tokens, over max_num_batched_tokens="
+                     f"{config.max_num_batched_tokens}")
+    if len(plan.seqs) > config.max_num_seqs:
+        raise broken(f"the plan holds {len(plan.seqs)} sequences, over max_num_seqs="
+                     f"{config.max_num_seqs}")
+    seen: set[int] = set()
+    for w in plan.seqs:
+        s = w.seq
+        if s.seq_id in seen:
+            raise broken(f"sequence {s.seq_id} is scheduled twice")
+        seen.add(s.seq_id)
+        if not 1 <= w.num_tokens <= s.num_tokens - s.num_computed:
+            raise broken(f"sequence {s.seq_id} computes {w.num_tokens} tokens; it has "
+                         f"{s.num_tokens - s.num_computed} uncomputed (at least 1 a step)")
+        end = s.num_computed + w.num_tokens
+        if len(tables.get(s.seq_id, ())) * block_size < end:
+            raise broken(f"sequence {s.seq_id} computes up to position {end} but owns "
+                         f"{len(tables.get(s.seq_id, ()))} blocks of {block_size} slots")

@@ -6,7 +6,8 @@ mapping, block tables; the model run once over it through the paged KV pool; the
 completing sequence's last row, or at every row of a drafted sequence or one collecting prompt
 logprobs; the hidden states a drafter reads), then sampling and verification
 (:class:`~.step_sampler.StepSampler`). It returns a :class:`~.plan.RunnerOutput` and writes no
-sequence: :meth:`~.scheduler.Scheduler.update_from_output` applies it.
+sequence: :meth:`~.scheduler.Scheduler.update_from_output` applies it. A KV connector
+(:mod:`.connector`) is called around the forward pass and around each of its layers.
 """
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ from ..attention.paged import (
     build_metadata,
     get_paged_backend,
 )
-from ..cache.offload import LayerwiseLoad, LoadTiming, TieredKVStore
 from ..cache.pool import PagedBatch, PagedKVPool
 from ..model.packed import can_pack_linears, pack_linears
 from ..model.transformer import Transformer
+from .connector import KVConnector
 from .cpu_forward import CpuForward
 from .plan import RunnerOutput, ScheduledSeq, SchedulerOutput
 from .speculation import Speculator, tree_inputs
@@ -43,7 +44,6 @@ class StepResult:
     reach the end). ``rows[seq_id]``: the
     sequence's rows of the flat batch [N, ...]. ``hidden[layer]``: [N, D], the residual stream
     after that layer (-1: the final normed states that feed the output head).
-    ``move_seconds``: time spent on the block moves (swap, copy-on-write) before the forward.
     """
 
     scheduled: list[ScheduledSeq]
@@ -51,7 +51,6 @@ class StepResult:
     logit_rows: dict[int, slice]
     rows: dict[int, slice]
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
-    move_seconds: float = 0.0
 
 
 class ModelRunner:
@@ -60,11 +59,12 @@ class ModelRunner:
                  attention_backend: str | PagedAttentionBackend = "sdpa",
                  pack: bool | None = None, max_rows: int = 4096, max_seqs: int = 256,
                  static_buffers: bool | None = None,
-                 tables: Mapping[int, list[int]] | None = None) -> None:
+                 tables: Mapping[int, list[int]] | None = None,
+                 connector: KVConnector | None = None) -> None:
         """``attention_backend``: a name or a
         :class:`~minillm.attention.paged.PagedAttentionBackend` (``self.attn``; its name is
         ``self.attention_backend``). ``tables``: the block manager's block tables (read, never
-        written).
+        written). ``connector``: the engine's KV connector, if any (its worker half).
         ``static_buffers`` (None: on CUDA) copies every step's inputs and metadata into
         tensors allocated once (:class:`~minillm.attention.paged.StepBuffers`, ``max_rows``
         tokens of ``max_seqs`` sequences), so that a decode step can be captured as a CUDA
@@ -81,12 +81,12 @@ class ModelRunner:
         blocks_per_seq = -(-model.cfg.max_seq_len // block_size)
         self.buffers = StepBuffers(max_rows, max_seqs, blocks_per_seq, model.device) \
             if static_buffers else None
-        self.layerwise_loads = False        # stored KV loads overlap the forward (chapter 08)
         self.fuse_ops = True                # the CPU fast path where it applies (fused_path)
         self.cpu_forward = CpuForward(model)
-        self.load_timing = LoadTiming()
         self.tables: Mapping[int, list[int]] = tables if tables is not None else {}
-        self.store: TieredKVStore | None = None   # saves computed chunks after the forward
+        self.connector = connector
+        if connector is not None:
+            connector.register_kv_pool(self.pool, self.tables)
         self.sampler = StepSampler()        # its .speculator verifies drafts
 
     @property
@@ -124,27 +124,6 @@ class ModelRunner:
         self.cpu_forward.applies()             # its model walk and weight lookup, once
         return time.perf_counter() - start
 
-    def start_loads(self, plan: SchedulerOutput, tables: Mapping[int, list[int]]
-                    ) -> LayerwiseLoad | None:
-        """Copy the plan's stored KV into its blocks: now, or (``layerwise_loads``) layer by
-        layer during the forward pass, returning the load to finish after it."""
-        if not plan.loads:
-            return None
-        dev = self.pool.k.device
-        loads = [(torch.tensor(tables[x.seq_id][x.first:x.first + x.kv.shape[2]
-                                               // self.block_size], device=dev), x)
-                 for x in plan.loads]
-        if self.layerwise_loads:
-            return LayerwiseLoad(self.pool, loads, self.model.layers, self.load_timing)
-        start = time.perf_counter()
-        for blocks, x in loads:
-            self.pool.write_blocks(blocks, x.kv)
-        spent = time.perf_counter() - start
-        self.load_timing.loads += 1
-        self.load_timing.load_seconds += spent
-        self.load_timing.exposed_seconds += spent
-        return None
-
     def move_blocks(self, plan: SchedulerOutput) -> float:
         """Swap out, swap in, copy-on-write, in that order; returns the seconds taken."""
         start = time.perf_counter()
@@ -168,16 +147,19 @@ class ModelRunner:
                     root = w.seq.num_tokens - w.seq.num_draft - 1
                     masks[w.seq.seq_id], positions[w.seq.seq_id] = tree_inputs(d, root)
         layers = self.speculator.hidden_layers if self.speculator is not None else ()
-        result = self.forward(plan, self.tables, want_all, layers, masks, positions)
-        if self.store is not None:
-            for w in plan.seqs:
-                s = w.seq
-                self.store.save(s.seq_id, s.token_ids, s.num_computed + w.num_tokens,
-                                self.tables[s.seq_id], self.pool.gather)
-        out = RunnerOutput(rows=result.rows, hidden=result.hidden,
-                           move_seconds=result.move_seconds)
-        self.sampler.sample(plan, result.logits, result.logit_rows, out)
-        self._compact_accepted(plan, out)
+        moved = self.move_blocks(plan)
+        short = self.connector.start_load(plan) if self.connector is not None else {}
+        run = plan.without(short) if short else plan
+        if not run.seqs:                    # every sequence sits the step out
+            self.connector.wait_for_save()
+            return RunnerOutput(move_seconds=moved, short_loads=short)
+        result = self.forward(run, self.tables, want_all, layers, masks, positions)
+        if self.connector is not None:
+            self.connector.wait_for_save()
+        out = RunnerOutput(rows=result.rows, hidden=result.hidden, move_seconds=moved,
+                           short_loads=short)
+        self.sampler.sample(run, result.logits, result.logit_rows, out)
+        self._compact_accepted(run, out)
         return out
 
     def _compact_accepted(self, plan: SchedulerOutput, out: RunnerOutput) -> None:
@@ -203,11 +185,11 @@ class ModelRunner:
                 all_logits: Collection[int] = (), hidden_layers: Collection[int] = (),
                 masks: Mapping[int, torch.Tensor] | None = None,
                 positions: Mapping[int, list[int]] | None = None) -> StepResult:
-        """Run one step. ``all_logits``: seq ids that want logits at every new row;
+        """The forward pass of ``plan.seqs`` (its block moves done, its loads started).
+        ``all_logits``: seq ids that want logits at every new row;
         ``hidden_layers``: layers whose outputs to return; ``masks[seq_id]``: a tree mask
         [n, n] over that sequence's new tokens; ``positions[seq_id]``: their RoPE positions
         (default: their indices in the sequence)."""
-        moved = self.move_blocks(plan)
         masks, positions = masks or {}, positions or {}
         work = plan.seqs
         order = batch_order([w.seq.num_computed for w in work], [w.num_tokens for w in work],
@@ -231,19 +213,16 @@ class ModelRunner:
             inputs = {"input_ids": torch.tensor(ids, device=dev),
                       "positions": torch.tensor(pos, device=dev)}
         layers = sorted(set(hidden_layers) - {-1})
-        loading = self.start_loads(plan, tables)
         batch = PagedBatch(self.pool, meta, self.attn)
-        try:
-            if loading is None and self.fused_path(meta, layers):
-                h, hidden = self.cpu_forward(inputs["input_ids"], inputs["positions"], batch,
-                                             layers)
-                h, hidden = h[None], {i: x[None] for i, x in hidden.items()}
-            else:
-                h, hidden = self.model.forward_layers(inputs["input_ids"][None], batch,
-                                                      inputs["positions"], layers)
-        finally:
-            if loading is not None:
-                loading.finish()
+        c = self.connector
+        around = (c.wait_for_layer, c.save_layer) if c is not None else (None, None)
+        if self.fused_path(meta, layers):
+            h, hidden = self.cpu_forward(inputs["input_ids"], inputs["positions"], batch,
+                                         layers, *around)
+            h, hidden = h[None], {i: x[None] for i, x in hidden.items()}
+        else:
+            h, hidden = self.model.forward_layers(inputs["input_ids"][None], batch,
+                                                  inputs["positions"], layers, *around)
         hidden = {i: x[0] for i, x in hidden.items()}
         if -1 in hidden_layers:
             hidden[-1] = h[0]
@@ -256,4 +235,4 @@ class ModelRunner:
             pick += want
         logits = self.model.lm_head(h[0, torch.tensor(pick, device=dev, dtype=torch.long)])
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return StepResult(work, logits, logit_rows, rows, hidden, moved)
+        return StepResult(work, logits, logit_rows, rows, hidden)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -179,6 +180,29 @@ def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if gen is not None and not greedy:
             q[i].exponential_(generator=gen)
     return (probs / q).argmax(dim=-1)
+
+
+class Sampler(Protocol):
+    """Draws one token per row: ``sampler(logits [R, V], batch) -> SamplerOutput`` of R rows,
+    each token id in [0, V), following the batch's temperature, top-k, top-p and generators
+    (greedy rows: the argmax). :func:`sample_rows` is the package's; the runner checks what a
+    sampler returns and fails the request of a row that breaks the contract."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput: ...
+
+
+def sampler_violations(out: object, rows: int, vocab: int) -> dict[int, str]:
+    """{row: why it breaks the :class:`Sampler` contract} for a sampler's output ``out`` over
+    ``rows`` rows of a ``vocab``-token vocabulary (empty when it keeps it)."""
+    lists = [getattr(out, name, None) for name in ("token_ids", "logprobs", "top")]
+    if not all(isinstance(x, list) and len(x) == rows for x in lists):
+        sizes = ", ".join(f"{name} {len(x) if isinstance(x, list) else type(x).__name__}"
+                          for name, x in zip(("token_ids", "logprobs", "top"), lists))
+        return dict.fromkeys(range(rows), f"returned {sizes} for {rows} rows: a SamplerOutput "
+                                          f"has one entry per row in each list")
+    return {i: f"returned {t!r} for row {i}: a token id must be an int in [0, {vocab})"
+            for i, t in enumerate(out.token_ids)
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab}
 
 
 def sample_rows(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:

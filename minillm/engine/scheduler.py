@@ -41,24 +41,25 @@ whole or waits for the next step.
 """
 from __future__ import annotations
 
-import time
-
-from ..cache.block_manager import BlockManager, blocks_for
+from ..cache.block_manager import AllocatorError, BlockManager, blocks_for
 from ..cache.prefix import PrefixCacheError
 from .config import SchedulerConfig
-from .plan import RunnerOutput, Sample, ScheduledSeq, SchedulerOutput, StepUpdate
-from .policies import append_token, beam_step, fork_seq
+from .connector import ConnectorError, KVConnector, check_external_tokens
+from .plan import ScheduledSeq, SchedulerOutput
 from .sequence import Request, Sequence, Status
+from .update import StepUpdater
 
 
-class Scheduler:
+class Scheduler(StepUpdater):
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_seq_len: int,
-                 offload=None, eos_token_id: int | None = None) -> None:
-        """``offload``: a KV store behind the prefix cache (:class:`minillm.cache.offload.
-        TieredKVStore`); admission loads the blocks it holds past the device's cached prefix.
-        ``eos_token_id`` ends a sequence that samples it (unless its request ignores EOS)."""
+                 connector: KVConnector | None = None, eos_token_id: int | None = None
+                 ) -> None:
+        """``connector``: a KV connector's scheduler half (:mod:`.connector`): admission counts
+        the leading tokens it can supply past the device's cached prefix as computed (the
+        engine adds its metadata to each plan). ``eos_token_id`` ends a sequence that samples it
+        (unless its request ignores EOS)."""
         self.config, self.blocks, self.max_seq_len = config, blocks, max_seq_len
-        self.offload, self.eos_token_id = offload, eos_token_id
+        self.connector, self.eos_token_id = connector, eos_token_id
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -141,9 +142,9 @@ class Scheduler:
                 if preempted:
                     break
             if not preempted:
+                if plan and not self._grow_or_fail(req, plan, out):
+                    continue
                 kept.append(req)
-                if plan:
-                    self._grow(req, plan, out)
         self.running = kept
 
     def _prefill_plan(self, req: Request, room: int) -> list[tuple[Sequence, int]]:
@@ -172,6 +173,27 @@ class Scheduler:
             out.copies += self.blocks.reserve(s.seq_id, s.num_computed + n)
             out.seqs.append(ScheduledSeq(s, n))
         out.requests.append(req)
+
+    def _grow_or_fail(self, req: Request, plan: list[tuple[Sequence, int]],
+                      out: SchedulerOutput) -> bool:
+        """:meth:`_grow`, or (the block allocator broke its contract) fail ``req`` alone."""
+        try:
+            self._grow(req, plan, out)
+        except AllocatorError as e:
+            self._fail(req, out, e)
+            return False
+        return True
+
+    def _fail(self, req: Request, out: SchedulerOutput, error: Exception) -> None:
+        """End ``req`` with finish_reason "error" while planning (a component broke its
+        contract): out of this plan, every block freed, reported in ``out.failed``."""
+        ids = {s.seq_id for s in req.seqs}
+        out.seqs = [w for w in out.seqs if w.seq.seq_id not in ids]
+        if req in out.requests:
+            out.requests.remove(req)
+        req.error = str(error)
+        self.finish_request(req, "error")
+        out.failed.append(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         ids = [s.seq_id for s in req.seqs]
@@ -204,11 +226,15 @@ class Scheduler:
                        for s, n in plan) + len(ids)
             if not self._seq_room(req) or not self.blocks.can_swap_in(ids, extra=grow):
                 break
-            out.swap_in += self.blocks.swap_in(ids)
+            try:
+                out.swap_in += self.blocks.swap_in(ids)
+            except AllocatorError as e:
+                self._fail(req, out, e)
+                continue
             self.swapped.remove(req)
             req.status = Status.RUNNING
-            self._grow(req, plan, out)
-            self.running.append(req)
+            if self._grow_or_fail(req, plan, out):
+                self.running.append(req)
 
     def _seq_room(self, req: Request) -> bool:
         live = sum(len(r.seqs) for r in self.running)
@@ -217,16 +243,13 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in order while sequences, tokens and blocks allow. Without
         chunked prefill the first request of an otherwise empty step always gets in. A request
-        whose prefix lookup breaks the prefix cache's contract fails alone (``out.failed``)."""
+        whose admission breaks the prefix cache's, the KV connector's or the block allocator's
+        contract fails alone (``out.failed``)."""
         for req in self._sorted(self.waiting):
             try:
                 used = self._admit(req, out, budget)
-            except PrefixCacheError as e:
-                ids = {s.seq_id for s in req.seqs}
-                out.loads = [x for x in out.loads if x.seq_id not in ids]
-                req.error = str(e)
-                self.finish_request(req, "error")
-                out.failed.append(req)
+            except (PrefixCacheError, ConnectorError, AllocatorError) as e:
+                self._fail(req, out, e)
                 continue
             if used is None:
                 break
@@ -250,7 +273,8 @@ class Scheduler:
         for s, n in zip(req.seqs, slots):
             if cached:
                 found = self.blocks.allocate_cached(s.seq_id, s.token_ids, n)
-                self._load_stored(s, found, out)
+                if self.connector is not None:
+                    self.connector.on_allocated(s, found)
                 req.metrics.cached_tokens += s.num_computed
                 continue
             self.blocks.allocate(s.seq_id, s.num_computed if reserve else n,
@@ -266,25 +290,15 @@ class Scheduler:
         return sum(n for _, n in plan)
 
     def _cached_blocks(self, s: Sequence) -> int:
-        """Leading blocks of the sequence whose KV is cached on the device or in the store."""
+        """Leading blocks of the sequence whose KV is cached on the device or that the
+        connector can supply."""
         hit = len(self.blocks.match_prefix(s.token_ids))
-        if self.offload is None:
+        if self.connector is None:
             return hit
-        usable = (len(s.token_ids) - 1) // self.blocks.block_size   # never the last token
-        return max(hit, self.offload.stored_blocks(s.token_ids, usable))
-
-    def _load_stored(self, s: Sequence, device_hit: int, out: SchedulerOutput) -> None:
-        """Fetch the store's KV for the blocks past the device hit (``device_hit`` tokens) that
-        admission counted as computed; what the store fails to give (a corrupt or evicted
-        entry) is computed instead."""
-        if s.num_computed <= device_hit:
-            return
         bs = self.blocks.block_size
-        load = self.offload.fetch(s.seq_id, s.token_ids, device_hit // bs, s.num_computed // bs)
-        got = 0 if load is None else load.kv.shape[2]
-        s.num_computed = device_hit + got
-        if load is not None:
-            out.loads.append(load)
+        n = check_external_tokens(self.connector, s,
+                                  self.connector.num_external_tokens(s, hit * bs))
+        return max(hit, n // bs)
 
     def _uses_prefix_cache(self, req: Request) -> bool:
         """Prefix caching applies to paged admission of requests that need no prompt
@@ -305,93 +319,3 @@ class Scheduler:
             cap = min(req.max_total_tokens, self.max_seq_len)
             return [max(cap, s.num_tokens) for s in req.seqs]
         return [s.num_computed + plan.get(s.seq_id, 0) for s in req.seqs]
-
-    # ---- after the step ------------------------------------------------------------------------
-    def update_from_output(self, plan: SchedulerOutput, out: RunnerOutput) -> StepUpdate:
-        """Apply one step's result: every scheduled sequence advances by what it computed (its
-        full blocks go to the prefix cache), a verified draft keeps its accepted path (the
-        runner moved a tree's accepted nodes' KV after the root; the rest is truncated), sampled
-        tokens are appended, n > 1 requests fork at their first token, beam search picks its
-        beams, and finished sequences leave and free their blocks. The one writer of
-        ``num_computed`` in a step (admission and preemption in ``schedule`` set it too)."""
-        upd = StepUpdate()
-        for w in plan.seqs:
-            s = w.seq
-            upd.starts[s.seq_id] = s.num_computed
-            s.num_computed += w.num_tokens
-            self.blocks.cache_computed(s.seq_id, s.token_ids, s.num_computed)
-        for req in plan.requests:
-            if req.request_id in out.prompt_logprobs:
-                start, entries = out.prompt_logprobs[req.request_id]
-                req.prompt_logprobs[start:] = entries
-            if req.request_id in out.beams:
-                dropped = beam_step(req, out.beams[req.request_id], self.blocks,
-                                    self.eos_token_id, self.max_seq_len)
-                self._finished += dropped          # the runner hears of them too
-                upd.released += dropped
-            elif any(s.seq_id in out.samples for s in req.seqs):
-                for s in list(req.seqs):
-                    self._take_samples(req, s, out.samples.get(s.seq_id, []), upd)
-            else:
-                continue
-            upd.released += self._retire_finished(req)
-            if req.metrics.first_token is None:
-                req.metrics.first_token = time.perf_counter()
-            if not req.seqs or (req.params.use_beam_search
-                                and len(req.done) >= req.params.beam_width):
-                upd.released += self.finish_request(req)
-            upd.changed.append(req)
-        return upd
-
-    def finish_request(self, req: Request, reason: str = "length") -> list[int]:
-        """End ``req`` now: live sequences end with ``reason`` (unless they already ended),
-        their text is flushed, every block is freed. Returns the ids of the sequences that
-        were live."""
-        for s in req.seqs:
-            s.draft = None
-            s.finish_reason = s.finish_reason or reason
-            if s.detok is not None:
-                s.delta += s.detok.finish()
-        ids = self.finish(req)
-        req.done += req.seqs
-        req.seqs = []
-        req.metrics.finished = time.perf_counter()
-        return ids
-
-    def _take_samples(self, req: Request, seq: Sequence, samples: list[Sample],
-                      upd: StepUpdate) -> None:
-        """Give ``seq`` its sample; further samples (n > 1) go to new sequences forked from it
-        (before the token is appended: they share the prompt's blocks)."""
-        children = [fork_seq(self.blocks, req, seq) for _ in samples[1:]]
-        upd.forked.update((c.seq_id, seq.seq_id) for c in children)
-        for s, sample in zip([seq] + children, samples):
-            if sample.path is not None:
-                self._keep_path(s, sample.path)
-                upd.kept_rows[s.seq_id] = [0] + sample.path
-            for i, tok in enumerate(sample.tokens):
-                append_token(req, s, tok, self.eos_token_id, self.max_seq_len,
-                             sample.logprobs[i], sample.top[i] if sample.top else None)
-                if s.finished:
-                    break
-            s.num_computed = min(s.num_computed, s.num_tokens - 1)
-
-    def _keep_path(self, seq: Sequence, path: list[int]) -> None:
-        """Roll a verified draft back to its accepted ``path`` of nodes (whose KV the runner
-        has moved into a contiguous run after the root): the rest is forgotten."""
-        root = seq.num_tokens - seq.num_draft - 1
-        seq.draft = None
-        self.blocks.truncate(seq.seq_id, root + 1 + len(path))
-        del seq.token_ids[root + 1:]            # the accepted tokens come back as the sample
-        seq.num_computed = min(seq.num_computed, root + 1 + len(path))
-
-    def _retire_finished(self, req: Request) -> list[int]:
-        """Finished sequences of ``req`` leave its live list and free their blocks; returns
-        their ids. The request finishes when none is left (or enough beams are done)."""
-        gone = [s for s in req.seqs if s.finished]
-        for seq in gone:
-            req.seqs.remove(seq)
-            req.done.append(seq)
-            self.blocks.free(seq.seq_id)
-        ids = [s.seq_id for s in gone]
-        self._finished += ids
-        return ids

@@ -19,7 +19,13 @@ import torch
 
 from .plan import RunnerOutput, Sample, SchedulerOutput
 from .policies import forks_at_first_token
-from .sampler import SamplingBatch, prompt_logprobs, sample_rows
+from .sampler import (
+    Sampler,
+    SamplingBatch,
+    prompt_logprobs,
+    sample_rows,
+    sampler_violations,
+)
 from .sequence import Request, Sequence
 from .speculation import Speculator
 
@@ -33,7 +39,9 @@ def collects_prompt_logprobs(req: Request) -> bool:
 class StepSampler:
     """Samples, verifies and scores one step's logits for the plan that produced them."""
 
-    def __init__(self) -> None:
+    def __init__(self, sampler: Sampler = sample_rows) -> None:
+        """``sampler`` draws the plain rows (:class:`~.sampler.Sampler`)."""
+        self.sampler = sampler
         self.speculator: Speculator | None = None
         self._prompt_tail: dict[int, torch.Tensor] = {}   # seq id -> [1, V], last chunk's row
 
@@ -74,8 +82,15 @@ class StepSampler:
                                           [req.generator for _, _, req in draws], logits.device)
         picked = logits if rows == list(range(len(logits))) else \
             logits[torch.tensor(rows, device=logits.device)]      # (a copy: only if needed)
-        drawn = sample_rows(picked, batch)
+        drawn = self.sampler(picked, batch)
+        bad = sampler_violations(drawn, len(rows), logits.shape[-1])
         for i, (s, _, req) in enumerate(draws):
+            if i in bad:
+                out.errors[req.request_id] = f"sampler: {_name(self.sampler)} {bad[i]}"
+                out.samples.pop(s.seq_id, None)
+                continue
+            if req.request_id in out.errors:
+                continue
             k = req.params.logprobs
             top = [drawn.top[i][:k]] if k else None
             out.samples.setdefault(s.seq_id, []).append(
@@ -113,6 +128,10 @@ class StepSampler:
         else:
             self._prompt_tail[seq.seq_id] = rows[-1:]
         return start, entries[1:] if start else entries
+
+
+def _name(sampler: Sampler) -> str:
+    return getattr(sampler, "__name__", type(sampler).__name__)
 
 
 def beam_candidates(req: Request, logits: torch.Tensor) -> list[tuple[int, int, float]]:

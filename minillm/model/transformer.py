@@ -5,7 +5,7 @@ FFN is a SwiGLU or, when the config has experts, a mixture of experts.
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -14,6 +14,8 @@ from ..attention import get_backend
 from ..config import ModelConfig
 from .layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
 from .moe import MoEFeedForward
+
+LayerCall = Callable[[int], None]     # called with a layer's index, around that layer
 
 
 class Block(nn.Module):
@@ -72,11 +74,14 @@ class Transformer(nn.Module):
         return self.forward_layers(input_ids, cache, positions)[0]
 
     def forward_layers(self, input_ids: torch.Tensor, cache=None,
-                       positions: torch.Tensor | None = None, keep: Collection[int] = ()
+                       positions: torch.Tensor | None = None, keep: Collection[int] = (),
+                       before_layer: LayerCall | None = None,
+                       after_layer: LayerCall | None = None
                        ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """:meth:`hidden_states`, plus the residual stream after each layer in ``keep``:
         (final normed [B, T, D], {layer: [B, T, D]}) from the same pass (drafters such as
-        EAGLE read a target's hidden states)."""
+        EAGLE read a target's hidden states). ``before_layer(i)`` / ``after_layer(i)`` are
+        called around layer i (the engine's KV connector waits for loads and saves there)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         t = input_ids.shape[1]
@@ -94,7 +99,11 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)
         kept = {}
         for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(i)
             x = layer(x, cos, sin, cache)
+            if after_layer is not None:
+                after_layer(i)
             if i in keep:
                 kept[i] = x
         if cache is not None:
