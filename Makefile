@@ -7,7 +7,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm lab test test-fast soak solutions notebooks bench drafters lint clean
+.PHONY: setup setup-vllm lab test test-fast soak solutions notebooks bench results drafters lint \
+	clean
 
 setup: $(STAMP)
 
@@ -35,8 +36,9 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
 
+# Jupyter refuses to start as root without --allow-root (containers often run as root).
 lab: setup
-	$(BIN)/jupyter lab chapters/
+	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root,) chapters/
 
 # Every unit, parity and notebook test; MINILLM_FAST=1 shrinks notebook sizes for 2 CPU cores.
 test: setup
@@ -62,6 +64,11 @@ notebooks: setup
 
 bench: setup
 	$(BIN)/python -m minillm bench decode
+
+# docs/results.md and the README's headline table, generated from benchmarks/results/*.json
+# (the script needs only the standard library; tests/test_docs.py checks the pages are current).
+results: setup
+	$(BIN)/python benchmarks/make_results.py
 
 # Chapter 06's drafters: the self-distillation data (about 15 minutes, resumable), then eagle,
 # mtp, medusa and draft_model (about 10 minutes each on 2 CPU cores, resumable), then the block
