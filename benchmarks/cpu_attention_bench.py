@@ -28,8 +28,9 @@ from minillm.attention.paged import (
     sdpa_paged_attention,
     write_kv,
 )
-from minillm.bench.common import machine_info, write_json
+from minillm.bench.common import write_json
 from minillm.device import cpu_features
+from minillm.runinfo import machine_info
 
 LAYERS, HQ, HKV, D, BS = 30, 9, 3, 64, 16
 STEPS = {"decode": (64, 350, 1), "prefill": (14, 0, 290)}   # sequences, cached, new tokens

@@ -22,9 +22,10 @@ import torch
 
 import minillm
 from minillm import SamplingParams
-from minillm.bench.common import machine_info, write_json
+from minillm.bench.common import write_json
 from minillm.device import cpu_features
 from minillm.engine import EngineConfig, LLMEngine
+from minillm.runinfo import machine_info
 
 PROMPT, STEPS = 200, 10
 

@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import time
 from pathlib import Path
@@ -24,16 +23,11 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from minillm.runinfo import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "notebooks.json"
 LIMITS_S = {"full": 300, "fast": 120}
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def settle(below: float = 1.0, most_s: float = 120.0) -> None:

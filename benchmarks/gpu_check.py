@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from minillm.bench.common import bench_prompt, machine_info, rates, time_hf, time_minillm
+from minillm.bench.common import bench_prompt, rates, time_hf, time_minillm
 from minillm.checkpoint import load_model
 from minillm.checkpoint.hf_interop import to_hf_model
+from minillm.runinfo import machine_info
 
 MODELS = ("smollm2-135m", "qwen3-0.6b", "llama-3.2-1b")
 

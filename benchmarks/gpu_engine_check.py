@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 from minillm import SamplingParams
-from minillm.bench.common import machine_info
 from minillm.bench.throughput import run_throughput_bench
 from minillm.checkpoint import load_model
 from minillm.device import resolve_device
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.generate import generate
+from minillm.runinfo import machine_info
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 PATHS = {  # engine options and sampling of each checked path

@@ -22,12 +22,13 @@ import time
 import torch
 
 from minillm import SamplingParams
-from minillm.bench.common import machine_info, write_json
+from minillm.bench.common import write_json
 from minillm.cache import blend
 from minillm.checkpoint import random_model
 from minillm.config import get_preset
 from minillm.device import resolve_device, sync
 from minillm.engine import EngineConfig, LLMEngine
+from minillm.runinfo import machine_info
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 

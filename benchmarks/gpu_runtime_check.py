@@ -19,11 +19,12 @@ import time
 import torch
 
 from minillm import SamplingParams
-from minillm.bench.common import machine_info, write_json
+from minillm.bench.common import write_json
 from minillm.bench.runtime import GPU_CONFIGS, batch_sweep, parse_config, run_runtime_bench
 from minillm.checkpoint import load_model
 from minillm.device import resolve_device
 from minillm.generate import generate
+from minillm.runinfo import machine_info
 from minillm.runtime import StaticDecoder, profile_decode
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 from minillm import SamplingParams
-from minillm.bench.common import machine_info
 from minillm.bench.spec import ALL_METHODS, DEFAULT_K
 from minillm.checkpoint import load_model
 from minillm.device import resolve_device, sync
 from minillm.engine import EngineConfig, LLMEngine
+from minillm.runinfo import machine_info
 from minillm.spec.config import BLOCK_METHODS
 from minillm.spec.drafters import DrafterConfig, DraftHead, build_drafter
 from minillm.spec.speculator import build_speculator

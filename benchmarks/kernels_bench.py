@@ -30,7 +30,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 import types
@@ -85,18 +84,6 @@ def load_kernel_modules() -> types.SimpleNamespace:
              "rmsnorm", "rope", "matmul"]
     return types.SimpleNamespace(**{n: importlib.import_module(f"minillm.kernels.{n}")
                                     for n in names})
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kernels", "benchmarks"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=10)
-        commit = out.stdout.strip() or "unknown"
-        return commit + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 # ----------------------------------------------------------------------------- timing
@@ -389,11 +376,13 @@ def main(argv: list[str] | None = None) -> dict:
         copy_bytes, cold_bytes = 2 << 30, 512 << 20  # several times the 50-60 MB L2
     block_size = 16
 
+    from minillm.runinfo import git_commit
+
     result: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
         f"cpu ({platform.processor() or platform.machine()}, Triton interpreter)",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
+        "git_commit": git_commit(dirty=("kernels", "benchmarks")) or "unknown",
         "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "dtype": str(dtype).replace("torch.", ""),
         "smoke": args.smoke, "interpreter": interpreting,

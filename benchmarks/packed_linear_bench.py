@@ -17,9 +17,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from minillm.bench.common import machine_info, write_json
+from minillm.bench.common import write_json
 from minillm.device import cpu_features
 from minillm.model.packed import can_pack_linears
+from minillm.runinfo import machine_info
 
 SHAPES = {"qkv (grouped)": (576 + 2 * 192, 576), "gate+up (grouped)": (2 * 1536, 576),
           "down": (576, 1536), "lm_head": (49152, 576)}

@@ -332,7 +332,8 @@ def main() -> int:
         return 0
     import torch
 
-    from minillm.bench.common import format_table, machine_info, write_json
+    from minillm.bench.common import format_table, write_json
+    from minillm.runinfo import machine_info
 
     every_test = list(dict.fromkeys(t for bug in bugs for t in bug.tests))
     baseline = run_one(ROOT, None, every_test, args.timeout, args.verbose)

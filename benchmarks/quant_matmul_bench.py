@@ -21,9 +21,10 @@ import time
 
 import torch
 
-from minillm.bench.common import machine_info, write_json
+from minillm.bench.common import write_json
 from minillm.quant import linear as qlinear
 from minillm.quant.formats import quantize_int4, quantize_int8
+from minillm.runinfo import machine_info
 
 KERNEL_ROWS = dict(qlinear.KERNEL_ROWS)  # the package's choice, restored after each measurement
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),

@@ -95,7 +95,7 @@ def test_cpu_features_reads_cpuinfo(monkeypatch, tmp_path):
 
 
 def test_machine_info_records_the_cpu_flags(monkeypatch, tmp_path):
-    from minillm.bench.common import machine_info
+    from minillm.runinfo import machine_info
 
     info = tmp_path / "cpuinfo"
     info.write_text("flags\t\t: fpu avx2 avx512_bf16 sse2\n")

@@ -59,7 +59,7 @@ class DictConnector(KVConnector):
             end = seq.num_computed
             if self.short:
                 end, self.short = device_tokens + BS, False
-                self.sat_out[seq.seq_id] = end
+                self.sat_out[seq.seq_id] = self.short_end = end
             for pos in range(device_tokens, end, BS):
                 block = self.tables[seq.seq_id][pos // BS]
                 kv = self.kv[tuple(seq.token_ids[:pos + BS])]
@@ -172,6 +172,7 @@ def test_a_short_load_sits_the_step_out_and_is_recomputed(model, cold):
     out = run_all(engine, prompts()[1:2], GREEDY)[0]
     assert not connector.short                         # the short load happened
     assert out.token_ids == cold[1]
+    assert out.metrics.cached_tokens == connector.short_end < 40
     assert_all_free(engine)
 
 

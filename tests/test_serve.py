@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 import minillm  # noqa: E402
 from minillm.engine import EngineConfig, LLMEngine  # noqa: E402
+from minillm.runinfo import free_port  # noqa: E402
 from minillm.serve import EngineLoop, EngineStopped, create_app  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -41,12 +41,6 @@ PROMPTS = ["The capital of France is", "Hello, my name is", "1, 2, 3, 4,",
 CHAT = [{"role": "user", "content": "Name a color."}]
 NEW = 8                      # tokens per reference completion
 KEY = "sesame"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

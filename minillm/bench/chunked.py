@@ -52,7 +52,8 @@ from ..config import SamplingParams
 from ..device import resolve_device, serving_dtype
 from ..engine import EngineConfig, LLMEngine
 from ..evaluate import sample_ids
-from .common import dtype_name, format_table, machine_info, percentile
+from ..runinfo import machine_info
+from .common import dtype_name, format_table, percentile
 
 BUDGETS = (256, 512)           # chunked prefill's token budgets per step
 POLICIES = ("prefill_first", "decode_first", "chunked")

@@ -4,15 +4,11 @@ JSON output and one table formatter. Each benchmark is a module beside this one 
 """
 from __future__ import annotations
 
-import datetime
 import inspect
 import json
 import math
-import os
-import platform
 import re
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -25,7 +21,7 @@ from ..checkpoint.gguf import find_smollm2_gguf
 from ..checkpoint.loader import REAL_MODEL, load_model
 from ..checkpoint.tokenizer import Tokenizer
 from ..config import SamplingParams
-from ..device import cpu_features, sync
+from ..device import sync
 from ..generate import generate
 from ..model.transformer import Transformer
 
@@ -36,59 +32,7 @@ PROMPT_TEXT = (
     "faster and cheaper, and each step changed what people asked computers to do. ")
 
 
-# ----------------------------------------------------------------------------- machine facts
-
-def available_cores() -> int:
-    """CPU cores this process may run on (the container's share, not the host's)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU model from /proc/cpuinfo."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def git_commit() -> str | None:
-    """``git rev-parse HEAD`` of the working directory, or None outside a repository."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def package_version(name: str) -> str | None:
-    """Installed version of a distribution, or None."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
-
-def machine_info(device: torch.device, threads: int) -> dict:
-    """Where and when the numbers were measured (with the matmul-relevant CPU flags on a CPU)."""
-    return {
-        "device": device_name(device), "device_type": device.type,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(), "python": platform.python_version(),
-        "torch": torch.__version__, "transformers": package_version("transformers"),
-        "llama_cpp_python": package_version("llama_cpp_python"), "threads": threads,
-        "cores": available_cores(),
-        "cpu_flags": sorted(cpu_features()) if device.type == "cpu" else None}
-
+# machine facts (available_cores, device_name, git_commit, machine_info): minillm.runinfo
 
 # ----------------------------------------------------------------------------- timing
 

@@ -33,9 +33,9 @@ import torch
 from ..checkpoint.gguf import find_smollm2_gguf
 from ..checkpoint.loader import REAL_MODEL, load_model
 from ..device import resolve_device, resolve_dtype
+from ..runinfo import available_cores, machine_info
 from .common import (
     Runner,
-    available_cores,
     bench_prompt,
     dtype_name,
     format_table,
@@ -43,7 +43,6 @@ from .common import (
     llama_cpp_available,
     llama_cpp_runner,
     load_hf_peer,
-    machine_info,
     median_times,
     minillm_runner,
     rates,

@@ -20,7 +20,8 @@ import torch
 from ..config import SamplingParams
 from ..course.ch04_workload import poisson_arrivals, sharegpt_like_workload
 from ..device import serving_dtype
-from .common import format_table, machine_info, percentile
+from ..runinfo import machine_info
+from .common import format_table, percentile
 
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.2
 

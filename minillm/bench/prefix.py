@@ -39,7 +39,8 @@ from ..cache.pool import block_bytes
 from ..course.ch04_workload import poisson_arrivals, serve
 from ..engine import EngineConfig, LLMEngine
 from ..evaluate import sample_text
-from .common import format_table, machine_info, percentile
+from ..runinfo import machine_info
+from .common import format_table, percentile
 from .throughput import Workload
 
 QUESTIONS = ["What is the main idea?", "Summarise the second sentence.", "Who is speaking?",

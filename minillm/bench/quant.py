@@ -30,14 +30,8 @@ from ..quant.quantize import (
     quantize_model,
     weight_bytes,
 )
-from .common import (
-    bench_prompt,
-    format_table,
-    machine_info,
-    median_times,
-    minillm_runner,
-    rates,
-)
+from ..runinfo import machine_info
+from .common import bench_prompt, format_table, median_times, minillm_runner, rates
 
 DEFAULT_SPECS = ("int8", "int4", "gptq", "awq", "hqq", "int4:64", "hqq:64", "q8_0", "q4_1",
                  "q4_k")

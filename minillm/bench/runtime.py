@@ -33,16 +33,15 @@ from ..device import resolve_device, sync
 from ..engine import EngineConfig, LLMEngine
 from ..model.transformer import Transformer
 from ..quant.quantize import quantize_model
+from ..runinfo import available_cores, machine_info
 from ..runtime import StaticDecoder, capture_sizes
 from .common import (
     Runner,
-    available_cores,
     bench_prompt,
     dtype_name,
     format_table,
     llama_cpp_available,
     llama_cpp_runner,
-    machine_info,
     median_times,
     minillm_runner,
     rates,

@@ -28,7 +28,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,8 @@ import torch
 
 from ..course.ch04_workload import poisson_arrivals, sharegpt_like_workload
 from ..disagg.placement import SLO, goodput_of, tpot
-from .common import available_cores, format_table, machine_info, percentile
+from ..runinfo import available_cores, free_port, machine_info
+from .common import format_table, percentile
 from .disagg import SLO_TPOT_S, SLO_TTFT_S
 from .vllm_peer import vllm_missing, vllm_spec, vllm_version
 
@@ -190,12 +190,6 @@ def summarise(results: Sequence[RequestResult], slo: SLO) -> dict:
 
 
 # ----------------------------------------------------------------------------- servers
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(base: str, path: str, proc: subprocess.Popen, timeout: float) -> None:

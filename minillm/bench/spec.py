@@ -34,10 +34,11 @@ from ..checkpoint.loader import load_model
 from ..config import SamplingParams
 from ..device import resolve_device, serving_dtype
 from ..engine import EngineConfig, LLMEngine
+from ..runinfo import machine_info
 from ..spec.config import BLOCK_METHODS, MAX_TOKENS
 from ..spec.prompts import KINDS, benchmark_prompts
 from ..spec.speculator import SpecStats, build_speculator
-from .common import dtype_name, format_table, machine_info
+from .common import dtype_name, format_table
 
 METHODS = ("ngram", "draft_model", "medusa", "eagle", "mtp")      # part I (chapter 06)
 ALL_METHODS = METHODS + BLOCK_METHODS                               # + dflash, ddtree, dspark

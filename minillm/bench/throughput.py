@@ -31,7 +31,8 @@ from ..config import SamplingParams
 from ..device import resolve_device, serving_dtype
 from ..engine import EngineConfig, LLMEngine
 from ..evaluate import sample_ids
-from .common import dtype_name, format_table, llama_cpp_available, load_hf_peer, machine_info, timed
+from ..runinfo import machine_info
+from .common import dtype_name, format_table, llama_cpp_available, load_hf_peer, timed
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ..engine.detokenizer import IncrementalDetokenizer
 from ..engine.output_processor import OutputProcessor, Prompt
 from ..engine.outputs import CompletionOutput, RequestOutput
 from ..engine.sequence import Metrics
-from ..parallel.launch import free_port
+from ..runinfo import free_port
 from .worker import FAULTS, PREFILL_RANK, ROUTER, Job, WorkerSpec, worker_main
 
 

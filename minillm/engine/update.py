@@ -40,7 +40,7 @@ class StepUpdater:
             s = w.seq
             upd.starts[s.seq_id] = s.num_computed
             if s.seq_id in out.short_loads:         # sat the step out: compute the rest later
-                s.num_computed = out.short_loads[s.seq_id]
+                self._short_load(plan, s, out.short_loads[s.seq_id])
                 continue
             s.num_computed += w.num_tokens
             self.blocks.cache_computed(s.seq_id, s.token_ids, s.num_computed)
@@ -66,6 +66,14 @@ class StepUpdater:
                 upd.released += self.finish_request(req)
             upd.changed.append(req)
         return upd
+
+    @staticmethod
+    def _short_load(plan: SchedulerOutput, seq: Sequence, valid: int) -> None:
+        """Only ``valid`` tokens of ``seq`` came from the connector: the rest, counted as
+        cached at admission, are computed in later steps."""
+        req = next(r for r in plan.requests if seq in r.seqs)
+        req.metrics.cached_tokens -= seq.num_computed - valid
+        seq.num_computed = valid
 
     def finish_request(self, req: Request, reason: str = "length") -> list[int]:
         """End ``req`` now: live sequences end with ``reason`` (unless they already ended),

@@ -19,7 +19,6 @@ from __future__ import annotations
 import io
 import os
 import queue as queue_mod
-import socket
 import tempfile
 import time
 import traceback
@@ -30,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ..runinfo import free_port
 
 BACKENDS = ("gloo", "nccl")
 
@@ -59,13 +60,6 @@ def check_launch(world_size: int, backend: str | None) -> str:
                              f"{world_size} but this machine has {gpus} GPU(s); use "
                              "backend='gloo' (CPU processes) or a smaller world_size")
     return backend
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def under_torchrun() -> bool:

@@ -375,8 +375,9 @@ def run_block(target, data: dict, steps: int | None = None, fresh: bool = False,
     DSpark's heads, shared by dflash, ddtree and dspark) and its manifest."""
     import copy
 
+    from ..runinfo import git_commit
     from . import weights
-    from .train import CONFIGS, DEFAULT_STEPS, git_commit, train
+    from .train import CONFIGS, DEFAULT_STEPS, train
     fast = copy.deepcopy(target).to(torch.bfloat16)
     bdata = with_block_features(data, fast, CONFIGS["dflash"]["target_layers"])
     del fast
@@ -393,7 +394,7 @@ def run_block(target, data: dict, steps: int | None = None, fresh: bool = False,
                 "steps": st.step, "dspark_steps": dspark_steps,
                 "final_loss": round(sum(st.losses[-100:]) / max(1, len(st.losses[-100:])), 4),
                 "heldout_accuracy": scores["dflash"]["acceptance"], "heldout": scores,
-                "commit": git_commit(), "seconds": round(st.seconds, 1),
+                "commit": git_commit(short=True), "seconds": round(st.seconds, 1),
                 "device": f"{target.device.type} ({torch.get_num_threads()} threads)"}
     path = weights.save_drafter(trained.drafter, target, trained.cfg, st.draft_ids, manifest,
                                 path=out)

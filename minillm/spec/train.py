@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..model.transformer import Transformer
+from ..runinfo import device_name, git_commit
 from . import distill, weights
 from .drafters import DrafterConfig, DraftHead, build_drafter, own_parameters
 
@@ -401,22 +401,6 @@ def train_loop(method, drafter, head, target, data, opt, st: State, steps: int, 
 
 # ---------------------------------------------------------------------------------- the runner
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=Path(__file__).parent, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def device_name(device: torch.device) -> str:
-    """'cpu (2 threads)' or the GPU's name."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{device.type} ({torch.get_num_threads()} threads)"
-
-
 def manifest(method: str, data: dict, trained: Trained, scores: dict) -> dict:
     """The manifest fields :func:`weights.save_drafter` is given."""
     st = trained.state
@@ -425,7 +409,7 @@ def manifest(method: str, data: dict, trained: Trained, scores: dict) -> dict:
                     "prompts": "minillm.spec.prompts.training_prompts"},
            "steps": st.step, "final_loss": round(sum(st.losses[-100:]) /
                                                  max(1, len(st.losses[-100:])), 4),
-           "heldout_accuracy": scores["heldout_accuracy"], "commit": git_commit(),
+           "heldout_accuracy": scores["heldout_accuracy"], "commit": git_commit(short=True),
            "seconds": round(st.seconds, 1), "device": device_name(trained.head.rows.device)}
     if method == "medusa":
         out["head_accuracy"] = scores["topk_accuracy"]
