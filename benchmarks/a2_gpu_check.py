@@ -1,4 +1,4 @@
-"""Appendix B (chapters/A2_gpu_hardware.ipynb) measurements on a GPU, written to one JSON file.
+"""Appendix A2 (chapters/A2_gpu_hardware.ipynb) measurements on a GPU, written to one JSON file.
 
     python benchmarks/a2_gpu_check.py --out benchmarks/results/a2_gpu.json
     python benchmarks/a2_gpu_check.py --out /tmp/a2_smoke.json --smoke   # tiny, also on CPU

@@ -1,4 +1,4 @@
-"""Appendix C on a GPU: CUDA-graph capture and torch.compile of the decode step, at SmolLM2's
+"""Appendix A3 on a GPU: CUDA-graph capture and torch.compile of the decode step, at SmolLM2's
 shapes (seeded random weights: the model file cannot travel to the GPU machine).
 
 1. Correctness: a StaticDecoder with graphs captured for batch sizes 1, 2, 4, 8 (compiled: 4

@@ -3,7 +3,7 @@
 Each module holds a Triton kernel, its Python wrapper (inputs checked before launch) and a
 plain-torch reference:
 
-- teaching kernels (Appendix B): ``vector_add``, ``softmax``, ``rmsnorm``, ``rope``, ``matmul``;
+- teaching kernels (Appendix A2): ``vector_add``, ``softmax``, ``rmsnorm``, ``rope``, ``matmul``;
 - ``flash_attention``: dense and varlen FlashAttention forward, returning (out, lse);
 - ``paged_attention``: split-KV decode and chunked prefill over the paged KV cache
   [num_blocks, block_size, Hkv, D] (the serving engine's layout);

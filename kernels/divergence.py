@@ -1,4 +1,4 @@
-"""Branch divergence made visible (Appendix B): one element-wise function, two ways to branch.
+"""Branch divergence made visible (Appendix A2): one element-wise function, two ways to branch.
 
 Spec: x [N] -> out [N] with out[i] = slow_path(x[i]) if x[i] > 0 else fast_path(x[i]), where
 the slow path is ``n_iter`` rounds of sin-and-multiply-add and the fast path one multiply.

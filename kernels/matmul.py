@@ -1,4 +1,4 @@
-"""Tiled matrix multiply with fp32 accumulation (Appendix B).
+"""Tiled matrix multiply with fp32 accumulation (Appendix A2).
 
 Spec: a [M, K] @ b [K, N] -> c [M, N] in a's dtype. Each program computes one
 BLOCK_M x BLOCK_N tile of c, walking K in BLOCK_K steps and accumulating in fp32 registers.

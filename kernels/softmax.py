@@ -1,4 +1,4 @@
-"""Fused row softmax: one read of each row, one write, nothing in between (Appendix B, ch. 05).
+"""Fused row softmax: one read of each row, one write, nothing in between (Appendix A2, ch. 05).
 
 Spec: x [M, N] -> softmax over the last axis, [M, N]. One program per row; the whole row fits in
 one block (BLOCK = next power of two >= N), masked lanes read -inf so they add exp(-inf) = 0.

@@ -1,4 +1,4 @@
-"""Vector addition: the "hello world" of Triton (Appendix B).
+"""Vector addition: the "hello world" of Triton (Appendix A2).
 
 Spec: x [N], y [N] (same dtype, device) -> out [N] = x + y.
 Each program adds one BLOCK-sized slice; the mask covers the ragged end when N % BLOCK != 0.

@@ -1,4 +1,4 @@
-"""Appendix B checkers: reference solutions pass, wrong ones fail, untouched stubs are "TODO"."""
+"""Appendix A2 checkers: reference solutions pass, wrong ones fail, untouched stubs are "TODO"."""
 from __future__ import annotations
 
 import math

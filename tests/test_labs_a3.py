@@ -1,4 +1,4 @@
-"""Appendix C checkers: reference solutions pass, wrong ones fail, untouched stubs are "TODO"."""
+"""Appendix A3 checkers: reference solutions pass, wrong ones fail, untouched stubs are "TODO"."""
 from __future__ import annotations
 
 import json

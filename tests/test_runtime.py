@@ -1,4 +1,4 @@
-"""Appendix C runtimes: the static KV cache and StaticDecoder against the plain generate loop
+"""Appendix A3 runtimes: the static KV cache and StaticDecoder against the plain generate loop
 (eager, compiled; CUDA graphs on a GPU), the decode profile, and bench runtime."""
 import json
 

@@ -1,4 +1,4 @@
-"""The roofline model and the GPU facts behind it (Appendix B).
+"""The roofline model and the GPU facts behind it (Appendix A2).
 
 A kernel that does F floating-point operations and moves B bytes between memory and the chip has
 an *arithmetic intensity* I = F / B (FLOP per byte). On a processor whose memory delivers ``bw``

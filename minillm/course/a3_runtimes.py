@@ -1,4 +1,4 @@
-"""Appendix C's comparison of inference runtimes and servers, as data, with the sources read.
+"""Appendix A3's comparison of inference runtimes and servers, as data, with the sources read.
 
 Every cell states what the system's own documentation (the ``sources`` URLs) says it does, or,
 for minillm, what this package does; no performance numbers (those we did not measure are not

@@ -1,4 +1,4 @@
-"""Checkers for the exercises of Appendix B (GPU hardware), notebook ``A2_gpu_hardware``.
+"""Checkers for the exercises of Appendix A2 (GPU hardware), notebook ``A2_gpu_hardware``.
 
 Each ``check_*`` takes the student's function, compares it with :mod:`minillm.course.a2_roofline`
 or with torch on a few cases, prints a one-line verdict and returns a

@@ -9,7 +9,7 @@ Chapter 08: :func:`radix_stepper`, Play / a slider through the frames of
 cache: hits, evictions), the tree after each event. Widgets only live in a running kernel: a
 notebook shows :func:`minillm.viz.ch08.plot_radix_steps` next to it for a static copy.
 
-Appendix C: :func:`serving_explorer`, a slider over the request rates of the serving benchmark
+Appendix A3: :func:`serving_explorer`, a slider over the request rates of the serving benchmark
 (``serve.json``): every server at that rate (:func:`minillm.viz.a3.plot_serving_at`, which the
 notebook also shows as a static copy).
 
