@@ -150,8 +150,9 @@ class ModelRunner:
         moved = self.move_blocks(plan)
         short = self.connector.start_load(plan) if self.connector is not None else {}
         run = plan.without(short) if short else plan
-        if not run.seqs:                    # every sequence sits the step out
-            self.connector.wait_for_save()
+        if not run.seqs:                    # nothing to compute (every sequence sat out)
+            if self.connector is not None:
+                self.connector.wait_for_save()
             return RunnerOutput(move_seconds=moved, short_loads=short)
         result = self.forward(run, self.tables, want_all, layers, masks, positions)
         if self.connector is not None:
