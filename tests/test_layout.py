@@ -1,8 +1,10 @@
 """The package's layering rule, and ``minillm.kernels`` from a plain checkout.
 
-Core modules never import chapter material or tools: they must work (and be read) without
-them. The check reads every import statement, at module level or inside a function, absolute or
-relative, and fails naming the file, the line and the module it reaches.
+Core modules and the techniques built on them (parallelism, quantization, speculative decoding,
+disaggregation, the server, the runtimes) never import chapter material or tools (training is
+chapter material): they must work (and be read) without them. The check reads every import
+statement, at module level or inside a function, absolute or relative, and fails naming the
+file, the line and the module it reaches.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "minillm"
 CORE = ("model", "checkpoint", "attention", "cache", "engine", "sampling", "generate", "config",
-        "device", "evaluate")
+        "device", "evaluate", "runinfo")
+TECHNIQUES = ("parallel", "quant", "spec", "disagg", "serve", "runtime")
 CHAPTER_MATERIAL = ("course", "viz", "bench", "labs", "train", "cli")
 
 
@@ -50,9 +53,9 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def core_files(root: Path = PACKAGE) -> list[Path]:
+def core_files(root: Path = PACKAGE, names: tuple[str, ...] = CORE) -> list[Path]:
     files = []
-    for name in CORE:
+    for name in names:
         files += sorted((root / name).rglob("*.py")) if (root / name).is_dir() \
             else [root / f"{name}.py"]
     return files
@@ -61,15 +64,16 @@ def core_files(root: Path = PACKAGE) -> list[Path]:
 def layer_violations(root: Path = PACKAGE) -> list[str]:
     forbidden = tuple(f"minillm.{m}" for m in CHAPTER_MATERIAL)
     bad = []
-    for path in core_files(root):
+    for path in core_files(root, CORE + TECHNIQUES):
         for line, module in imported_modules(path):
             if module.startswith(forbidden) and module.split(".")[1] in CHAPTER_MATERIAL:
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     return bad
 
 
-def test_every_core_module_exists():
-    assert all(p.is_file() for p in core_files()), [p for p in core_files() if not p.is_file()]
+def test_every_layered_module_exists():
+    files = core_files(PACKAGE, CORE + TECHNIQUES)
+    assert all(p.is_file() for p in files), [p for p in files if not p.is_file()]
 
 
 def test_core_never_imports_chapter_material_or_tools():
@@ -81,15 +85,17 @@ def test_core_never_imports_chapter_material_or_tools():
     "def f():\n    from minillm.viz import widgets\n",  # absolute, inside a function
     "from .. import labs\n",                             # a package imported as a name
 ])
-def test_layer_check_sees_a_planted_import(planted, tmp_path, monkeypatch):
-    """Plant a bad import in a copy of the engine and the check must name it."""
+@pytest.mark.parametrize("where", ["engine/runner.py", "disagg/worker.py"])
+def test_layer_check_sees_a_planted_import(planted, where, tmp_path, monkeypatch):
+    """Plant a bad import in a copy of a core module and of a technique's: the check must
+    name it."""
     copy = tmp_path / "minillm"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    runner = copy / "engine" / "runner.py"
-    runner.write_text(runner.read_text() + "\n" + planted)
+    target = copy / where
+    target.write_text(target.read_text() + "\n" + planted)
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     bad = layer_violations(copy)
-    assert len(bad) >= 1 and all("engine/runner.py" in b for b in bad)
+    assert len(bad) >= 1 and all(where in b for b in bad)
 
 
 def _import_kernels_from_root(pythonpath: str | None = None) -> subprocess.CompletedProcess:

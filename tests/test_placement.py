@@ -1,4 +1,4 @@
-"""The placement simulator (minillm.disagg.placement): closed-form cases on a hand-made cost model,
+"""The placement simulator (minillm.course.placement): closed-form cases on a hand-made cost model,
 determinism, goodput sanity, the search, the cost model measured on our engine and checked
 against a real run, and every bad-input error."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 import minillm
 from minillm.bench.throughput import make_workload
+from minillm.course import placement as pl
 from minillm.course.ch04_workload import poisson_arrivals
-from minillm.disagg import placement as pl
 
 # a hand-made cost model: prefill p0 + p1 n + p2 n^2, decode d0 + d1 batch + d2 context (s);
 # a step mixing both costs the two parts less OVERLAP

@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from minillm.disagg.placement import CostModel  # noqa: E402
+from minillm.course.placement import CostModel  # noqa: E402
 from minillm.viz import ch07  # noqa: E402
 
 

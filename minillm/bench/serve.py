@@ -8,11 +8,11 @@ sent at its arrival time whatever the state of the others (an open loop), stream
 ``/v1/completions`` at temperature 0 with ``max_tokens`` = its output length and EOS ignored
 (``ignore_eos``, vLLM's extension, for minillm; ``min_tokens`` for llama.cpp), and timed on the
 client: TTFT (send to first token chunk), ITLs (gaps between token chunks), TPOT ((end - first
-token) / (tokens - 1), :func:`minillm.disagg.placement.tpot`), end-to-end latency.
+token) / (tokens - 1), :func:`minillm.course.placement.tpot`), end-to-end latency.
 
 Per rate: p50/p90/p99 of each, output tokens/s over the run, failed requests, SLO attainment
-and goodput (requests meeting both SLOs, :class:`minillm.disagg.placement.SLO`, per second);
-per server, DistServe's goodput rate (:func:`~minillm.disagg.placement.goodput_of`, the highest
+and goodput (requests meeting both SLOs, :class:`minillm.course.placement.SLO`, per second);
+per server, DistServe's goodput rate (:func:`~minillm.course.placement.goodput_of`, the highest
 rate whose attainment is at least 90%). After each rate minillm's ``/metrics`` must show every KV
 block free (recorded). The peers: llama.cpp's OpenAI server (``llama_cpp.server`` from
 llama-cpp-python, the same GGUF file, the same threads; it runs one request at a time), and
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from ..course.ch04_workload import poisson_arrivals, sharegpt_like_workload
-from ..disagg.placement import SLO, goodput_of, tpot
+from ..course.placement import SLO, goodput_of, tpot
 from ..runinfo import available_cores, free_port, machine_info
 from .common import format_table, percentile
 from .disagg import SLO_TPOT_S, SLO_TTFT_S

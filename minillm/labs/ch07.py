@@ -3,7 +3,7 @@
 - :func:`check_schedule_step`: one chunked-prefill step under a token budget, compared with the
   plan of the package's :class:`minillm.engine.scheduler.Scheduler` on states it reaches.
 - :func:`check_goodput`: DistServe's goodput of a rate sweep, compared with the rule of
-  :mod:`minillm.disagg.placement` (the highest rate below the lowest one that misses).
+  :mod:`minillm.course.placement` (the highest rate below the lowest one that misses).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from ..cache.block_manager import BlockManager
 from ..config import SamplingParams
-from ..disagg.placement import SLO, goodput_of
+from ..course.placement import SLO, goodput_of
 from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..engine.sequence import Request
 from .common import Result, check

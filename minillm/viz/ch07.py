@@ -80,7 +80,7 @@ def plot_transfers(rows: Sequence[dict], title: str = "KV transfer per request")
 
 
 def plot_cost_fit(costs, title: str = "measured step costs and the fit") -> plt.Figure:
-    """A :class:`minillm.disagg.placement.CostModel`'s points and fitted curves: prefill time
+    """A :class:`minillm.course.placement.CostModel`'s points and fitted curves: prefill time
     against prompt tokens, decode time against batch (one line per context length)."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     if costs.prefill_points:

@@ -47,9 +47,9 @@ import torch
 from ..bench.throughput import Workload
 from ..cache.block_manager import blocks_for
 from ..config import SamplingParams
-from ..course.ch04_workload import poisson_arrivals, serve
 from ..engine.config import EngineConfig
 from ..engine.engine import LLMEngine
+from .ch04_workload import poisson_arrivals, serve
 
 TOLERANCE = 0.25            # validate(): |simulated - measured| / measured allowed, mean TTFT/TPOT
 LINK_BANDWIDTH = 25e9       # bytes/s: an assumed PCIe 4.0 x16-class link, not a measurement
