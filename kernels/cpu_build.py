@@ -5,7 +5,10 @@ folder (``$MINILLM_CACHE`` or ``~/.cache/minillm``) under a name keyed by the so
 compiler, the flags and the CPU, so a changed source, compiler or machine builds afresh and a
 second process loads the first one's file. OpenMP is the ``libgomp`` torch has loaded, so the
 kernels' threads are PyTorch's own. ``SCALARS`` is the C++ the kernels share: bfloat16 <-> float32
-and an exp of their own that vectorises.
+and an exp of their own that vectorises. Each kernel's own C++ is a ``.cpp`` file beside its
+module (``cpu_fused_ops.cpp`` beside ``cpu_fused_ops.py``, ...), whose source is ``SCALARS`` +
+the file's text; a library that names its file (``source_file``) is compiled with a ``#line``
+marker where that text begins, so the compiler's messages give the file's own path and lines.
 """
 from __future__ import annotations
 
@@ -76,10 +79,32 @@ def cpu_signature() -> str:
         return platform.processor() + platform.machine()
 
 
-def build(name: str, source: str, extra_flags: tuple[str, ...] = ()
-          ) -> tuple[ctypes.CDLL | None, str]:
+def _marked(source: str, source_file: str | Path | None) -> str:
+    """``source`` as compiled: where the text of ``source_file`` begins (``source`` ends with
+    it), a ``#line 1 "<file>"`` marker, so that a diagnostic's file:line is the .cpp file's
+    own. ``source`` unchanged when there is no file or it no longer holds that text."""
+    if source_file is None:
+        return source
+    path = Path(source_file).resolve()
+    try:
+        text = path.read_text()
+    except OSError:
+        return source
+    if not text or not source.endswith(text):
+        return source
+    prelude = source[:len(source) - len(text)]
+    if prelude and not prelude.endswith("\n"):
+        prelude += "\n"
+    quoted = str(path).replace("\\", "\\\\").replace('"', '\\"')
+    return f'{prelude}#line 1 "{quoted}"\n{text}'
+
+
+def build(name: str, source: str, extra_flags: tuple[str, ...] = (),
+          source_file: str | Path | None = None) -> tuple[ctypes.CDLL | None, str]:
     """Compile ``source`` (once per source, compiler, flags and CPU) and load it: (library, '')
-    or (None, why not: no compiler, or its error message)."""
+    or (None, why not: no compiler, or its error message). ``source_file``: the .cpp file whose
+    text ends ``source``; the compiler's messages then name it and its lines (the cache key is
+    the source alone)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None or shutil.which(compiler) is None:
         return None, f"no C++ compiler: {compiler or 'g++ or $CXX'} not found"
@@ -90,7 +115,7 @@ def build(name: str, source: str, extra_flags: tuple[str, ...] = ()
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             src, lib = Path(tmp) / f"{name}.cpp", Path(tmp) / "lib.so"
-            src.write_text(source)
+            src.write_text(_marked(source, source_file))
             done = subprocess.run([compiler, *flags, str(src), "-o", str(lib)],
                                   capture_output=True, text=True)
             if done.returncode != 0:
@@ -101,13 +126,15 @@ def build(name: str, source: str, extra_flags: tuple[str, ...] = ()
 
 class Library:
     """A C++ source built and loaded on first use. ``signatures``: exported function ->
-    ctypes argument types (each returns void). :meth:`get` gives the library or None;
-    :meth:`reason` says why it is None ('' when it is not)."""
+    ctypes argument types (each returns void). ``source_file``: the .cpp file that ``source``
+    ends with (see :func:`build`). :meth:`get` gives the library or None; :meth:`reason` says
+    why it is None ('' when it is not)."""
 
     def __init__(self, name: str, source: str, signatures: dict[str, list],
-                 extra_flags: tuple[str, ...] = ()) -> None:
+                 extra_flags: tuple[str, ...] = (),
+                 source_file: str | Path | None = None) -> None:
         self.name, self.source, self.signatures = name, source, signatures
-        self.extra_flags = extra_flags
+        self.extra_flags, self.source_file = extra_flags, source_file
         self.clear()
 
     def clear(self) -> None:
@@ -116,7 +143,7 @@ class Library:
 
     def get(self) -> ctypes.CDLL | None:
         if self._loaded is None:
-            lib, why = build(self.name, self.source, self.extra_flags)
+            lib, why = build(self.name, self.source, self.extra_flags, self.source_file)
             for fn_name, argtypes in self.signatures.items() if lib is not None else ():
                 fn = getattr(lib, fn_name)
                 fn.restype, fn.argtypes = None, argtypes

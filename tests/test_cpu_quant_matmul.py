@@ -18,9 +18,9 @@ pytestmark = pytest.mark.skipif(not qmm.available(), reason="the CPU kernels did
 # the same source built for narrower instruction sets (later -m flags override -march=native)
 VARIANTS = {"native": qmm.LIBRARY,
             "avx2": cpu_build.Library("quant_matmul_avx2", qmm.SOURCE, qmm.LIBRARY.signatures,
-                                      ("-mno-avx512f", "-mno-avxvnni")),
+                                      ("-mno-avx512f", "-mno-avxvnni"), qmm.SOURCE_FILE),
             "plain": cpu_build.Library("quant_matmul_plain", qmm.SOURCE, qmm.LIBRARY.signatures,
-                                       ("-mno-avx2",))}
+                                       ("-mno-avx2",), qmm.SOURCE_FILE)}
 
 
 def randn(*shape, seed=0):

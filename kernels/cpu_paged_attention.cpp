@@ -1,0 +1,341 @@
+
+#include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+// 8 floats as one value: AVX2 / AVX-512 registers (two SSE ones on older CPUs)
+typedef float f8 __attribute__((vector_size(32)));
+static inline f8 load8(const float* p) { f8 v; std::memcpy(&v, p, 32); return v; }
+static inline void store8(float* p, f8 v) { std::memcpy(p, &v, 32); }
+
+// q . k over D floats (D a multiple of 8 known when compiled; D == 0: d, any)
+template <int64_t D>
+static inline float dot(const float* __restrict q, const float* __restrict k, int64_t d) {
+    if constexpr (D > 0) {
+        f8 s = load8(q) * load8(k);
+        for (int64_t e = 8; e < D; e += 8) s += load8(q + e) * load8(k + e);
+        return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+    }
+    float s = 0.0f;
+    for (int64_t e = 0; e < d; ++e) s += q[e] * k[e];
+    return s;
+}
+
+// out[j] = q . k[j * stride : + D] for 8 keys at once: eight running sums, then one
+// transposing horizontal add (AVX2), instead of a horizontal add per key.
+template <int64_t D>
+static inline void dot8(const float* __restrict q, const float* __restrict k, int64_t stride,
+                        float* __restrict out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (D > 0) {
+        __m256 s[8];
+        const __m256 q0 = _mm256_loadu_ps(q);
+        for (int j = 0; j < 8; ++j) s[j] = _mm256_mul_ps(q0, _mm256_loadu_ps(k + j * stride));
+        for (int64_t e = 8; e < D; e += 8) {
+            const __m256 qe = _mm256_loadu_ps(q + e);
+            for (int j = 0; j < 8; ++j)
+                s[j] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(k + j * stride + e), s[j]);
+        }
+        const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+        const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20),
+                                            _mm256_permute2f128_ps(a, b, 0x31)));
+        return;
+    }
+#endif
+    for (int j = 0; j < 8; ++j) out[j] = dot<D>(q, k + j * stride, D);
+}
+
+// The keys or values of one block as floats: bfloat16 widened into buf, float32 read in place.
+static inline const float* as_float(const float* src, float*, int64_t) { return src; }
+static inline const float* as_float(const uint16_t* src, float* buf, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) buf[i] = widen(src[i]);
+    return buf;
+}
+
+// acc = alpha * acc + sum_o w[o] * v[o * stride : + d], with acc kept in registers (D > 0)
+template <int64_t D>
+static inline void accumulate(float* __restrict acc, float alpha, const float* __restrict w,
+                              const float* __restrict v, int64_t stride, int64_t n, int64_t d) {
+    if constexpr (D > 0) {
+        f8 a[D / 8];
+        for (int64_t e = 0; e < D / 8; ++e) a[e] = load8(acc + 8 * e) * alpha;
+        for (int64_t o = 0; o < n; ++o)
+            for (int64_t e = 0; e < D / 8; ++e) a[e] += w[o] * load8(v + o * stride + 8 * e);
+        for (int64_t e = 0; e < D / 8; ++e) store8(acc + 8 * e, a[e]);
+        return;
+    }
+    for (int64_t e = 0; e < d; ++e) acc[e] *= alpha;
+    for (int64_t o = 0; o < n; ++o)
+        for (int64_t e = 0; e < d; ++e) acc[e] += w[o] * v[o * stride + e];
+}
+
+// A work item: ``count`` new tokens of sequence ``s``, flat rows [q0, q0 + count) of q, whose
+// first sees the ``ctx`` keys before it (and each later one a key more). A sequence's new
+// tokens are cut into items of at most CHUNK, so that one long prompt still keeps every thread
+// busy (each item walks the blocks its last token sees; they are in L2 by then).
+constexpr int64_t CHUNK = 32;
+struct Item { int64_t s, q0, count, ctx; };
+static std::vector<Item> work_items(const int32_t* cu_q, const int32_t* seq_lens,
+                                    const int32_t* seqs, int64_t n_seqs) {
+    std::vector<Item> items;
+    for (int64_t i = 0; i < n_seqs; ++i) {
+        const int64_t s = seqs[i], nq = cu_q[s + 1] - cu_q[s], cached = seq_lens[s] - nq;
+        for (int64_t t = 0; t < nq; t += CHUNK)
+            items.push_back({s, cu_q[s] + t, nq - t < CHUNK ? nq - t : CHUNK, cached + t});
+    }
+    return items;
+}
+
+// The next block's keys and values are fetched while this one is worked on, a slice of its
+// cache lines per query row: a whole block's prefetches in one burst (192 lines) stall the
+// loads behind them, and the kernel ran at half the speed. ``next`` < 0: nothing to fetch.
+struct NextBlock {
+    const char *k = nullptr, *v = nullptr;
+    int64_t lines = 0, per_row = 0;
+    template <typename T>
+    NextBlock(const T* kc, const T* vc, int64_t next, int64_t block_elems, int64_t rows) {
+        if (next < 0) return;
+        k = (const char*)(kc + next * block_elems);
+        v = (const char*)(vc + next * block_elems);
+        lines = block_elems * (int64_t)sizeof(T) / 64;
+        per_row = (lines + rows - 1) / rows;
+    }
+    void fetch_slice(int64_t r) const {
+        const int64_t last = (r + 1) * per_row < lines ? (r + 1) * per_row : lines;
+        for (int64_t c = r * per_row; c < last; ++c) {
+            __builtin_prefetch(k + 64 * c, 0, 2); __builtin_prefetch(v + 64 * c, 0, 2);
+        }
+    }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define HAVE_AVX512_BF16 1
+// Lane j of the result: the sum of v[j]'s 16 lanes. A transposing reduction (unpack, unpack,
+// two rounds of 128-bit shuffles: 45 instructions) instead of sixteen horizontal sums.
+static inline __m512 sum16(const __m512* v) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; ++i)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                    _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                    _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xdd));
+}
+
+static inline __m512 widen16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// exp_neg on 16 lanes (the same steps as the scalar one above)
+static inline __m512 exp_neg16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512 t = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic);
+    const __m512 n = _mm512_sub_ps(t, magic);
+    const __m512i ni = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000));
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f,
+                          1.0f})
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(ni, 23)));
+}
+
+// The bfloat16 path on CPUs with AVX512-BF16: q . k straight from the cache's bfloat16 with
+// vdpbf16ps (exact products, float32 sums; 16 keys at a time, reduced by sum16), the block's
+// values widened once and accumulated in float32 registers. Same loop and semantics as attend.
+template <int64_t D>
+static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                        const int32_t* tables, int64_t width, const int32_t* seq_lens,
+                        const int32_t* cu_q, const int32_t* seqs, int64_t n_seqs, uint16_t* out,
+                        int64_t hq, int64_t hkv, int64_t bs, float scale) {
+    static_assert(D % 32 == 0, "a head is whole 32-lane bfloat16 registers");
+    const int64_t g = hq / hkv, row = hkv * D;
+    const std::vector<Item> items = work_items(cu_q, seq_lens, seqs, n_seqs);
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (size_t item = 0; item < items.size(); ++item) {
+        const auto [s, q0, nq, ctx] = items[item];
+        const int64_t len = ctx + nq, rows = nq * hq;
+        std::vector<float> acc(rows * D, 0.0f), m(rows, -INFINITY), l(rows, 0.0f),
+            vbuf(bs * row);
+        // Many rows per KV head (a prompt chunk): the block's keys are also laid out as
+        // kt[kv head][16-key group][pair c][key], so that 16 lanes of vdpbf16ps with q's pair c
+        // broadcast are 16 keys' partial dot products: no reduction per row. Decodes (a few
+        // rows) do not repay the transpose.
+        const int64_t groups = (bs + 15) / 16;
+        const bool transposed = nq * g >= 16;
+        std::vector<uint32_t> kt(transposed ? hkv * groups * (D / 2) * 16 : 0);
+        for (int64_t p0 = 0; p0 < len; p0 += bs) {
+            const int64_t n = len - p0 < bs ? len - p0 : bs;
+            const uint16_t* kb = kc + tables[s * width + p0 / bs] * bs * row;
+            const uint16_t* vb = vc + tables[s * width + p0 / bs] * bs * row;
+            const NextBlock next(kc, vc, p0 + bs < len ? tables[s * width + p0 / bs + 1] : -1,
+                                 bs * row, rows);
+            for (int64_t i = 0; i < n * row; i += 16) _mm512_storeu_ps(&vbuf[i], widen16(vb + i));
+            if (transposed)
+                for (int64_t h = 0; h < hkv; ++h)
+                    for (int64_t o = 0; o < groups * 16; ++o) {
+                        uint32_t* dst = &kt[(h * groups + o / 16) * (D / 2) * 16 + o % 16];
+                        const uint32_t* src = (const uint32_t*)(kb + o * row + h * D);
+                        for (int64_t c = 0; c < D / 2; ++c) dst[16 * c] = o < n ? src[c] : 0u;
+                    }
+            for (int64_t r = 0; r < rows; ++r) {
+                const int64_t seen = ctx + r / hq + 1 - p0;
+                const int64_t cnt = seen < n ? seen : n, kvh = (r % hq) / g;
+                next.fetch_slice(r);
+                if (cnt <= 0) continue;
+                __m512bh qv[D / 32];
+                for (int64_t c = 0; c < D / 32; ++c)
+                    qv[c] = (__m512bh)_mm512_loadu_si512(q + (q0 * hq + r) * D + 32 * c);
+                __m512 a[D / 16];
+                for (int64_t e = 0; e < D / 16; ++e) a[e] = _mm512_loadu_ps(&acc[r * D + 16 * e]);
+                for (int64_t o0 = 0; o0 < cnt; o0 += 16) {    // 16 keys: one online-softmax step
+                    const int64_t nk = cnt - o0 < 16 ? cnt - o0 : 16;
+                    const __mmask16 valid = (__mmask16)((1u << nk) - 1u);
+                    __m512 raw = _mm512_setzero_ps();
+                    if (transposed) {
+                        const uint32_t* kg = &kt[(kvh * groups + o0 / 16) * (D / 2) * 16];
+                        const uint32_t* qp = (const uint32_t*)(q + (q0 * hq + r) * D);
+                        __m512 a0 = raw, a1 = raw;       // two chains of dependent adds
+                        for (int64_t c = 0; c < D / 2; c += 2) {
+                            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(kg + 16 * c),
+                                                  (__m512bh)_mm512_set1_epi32((int)qp[c]));
+                            a1 = _mm512_dpbf16_ps(a1,
+                                                  (__m512bh)_mm512_loadu_si512(kg + 16 * c + 16),
+                                                  (__m512bh)_mm512_set1_epi32((int)qp[c + 1]));
+                        }
+                        raw = _mm512_add_ps(a0, a1);
+                    } else {
+                        __m512 dots[16];
+                        for (int64_t j = 0; j < 16; ++j) {
+                            dots[j] = _mm512_setzero_ps();
+                            if (j >= nk) continue;
+                            const uint16_t* kr = kb + (o0 + j) * row + kvh * D;
+                            for (int64_t c = 0; c < D / 32; ++c)
+                                dots[j] = _mm512_dpbf16_ps(
+                                    dots[j], qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+                        }
+                        raw = sum16(dots);
+                    }
+                    const __m512 sc = _mm512_mask_blend_ps(
+                        valid, _mm512_set1_ps(-INFINITY),
+                        _mm512_mul_ps(raw, _mm512_set1_ps(scale)));
+                    const float top = _mm512_reduce_max_ps(sc), best = top > m[r] ? top : m[r];
+                    const float alpha = exp_neg16(_mm512_set1_ps(m[r] - best))[0];
+                    const __m512 w = _mm512_maskz_mov_ps(
+                        valid, exp_neg16(_mm512_sub_ps(sc, _mm512_set1_ps(best))));
+                    l[r] = l[r] * alpha + _mm512_reduce_add_ps(w);
+                    m[r] = best;
+                    alignas(64) float wt[16];
+                    _mm512_store_ps(wt, w);
+                    const __m512 al = _mm512_set1_ps(alpha);
+                    for (int64_t e = 0; e < D / 16; ++e) a[e] = _mm512_mul_ps(a[e], al);
+                    const float* vr = &vbuf[(o0 * hkv + kvh) * D];
+                    for (int64_t o = 0; o < nk; ++o) {
+                        const __m512 wo = _mm512_set1_ps(wt[o]);
+                        for (int64_t e = 0; e < D / 16; ++e)
+                            a[e] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(vr + o * row + 16 * e),
+                                                   a[e]);
+                    }
+                }
+                for (int64_t e = 0; e < D / 16; ++e) _mm512_storeu_ps(&acc[r * D + 16 * e], a[e]);
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const float inv = 1.0f / l[r];
+            uint16_t* dst = &out[(q0 * hq + r) * D];
+            for (int64_t e = 0; e < D; ++e) narrow(acc[r * D + e] * inv, &dst[e]);
+        }
+    }
+}
+#endif
+
+template <typename T, int64_t D>                 // D > 0: the head dim, known when compiled
+static void attend(const T* q, const T* kc, const T* vc, const int32_t* tables, int64_t width,
+                   const int32_t* seq_lens, const int32_t* cu_q, const int32_t* seqs,
+                   int64_t n_seqs, T* out, int64_t hq, int64_t hkv, int64_t dim, int64_t bs,
+                   float scale) {
+    const int64_t d = D > 0 ? D : dim, g = hq / hkv, row = hkv * d;   // row: one cached token
+    const std::vector<Item> items = work_items(cu_q, seq_lens, seqs, n_seqs);
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (size_t item = 0; item < items.size(); ++item) {
+        const auto [s, q0, nq, ctx] = items[item];
+        const int64_t len = ctx + nq, rows = nq * hq;
+        std::vector<float> qf(rows * d), acc(rows * d, 0.0f), m(rows, -INFINITY),
+            l(rows, 0.0f), kbuf(bs * row), vbuf(bs * row), p(bs + 8);
+        for (int64_t i = 0; i < rows * d; ++i) qf[i] = widen(q[q0 * hq * d + i]) * scale;
+        for (int64_t p0 = 0; p0 < len; p0 += bs) {
+            const int64_t n = len - p0 < bs ? len - p0 : bs;
+            const T* kb = kc + tables[s * width + p0 / bs] * bs * row;
+            const T* vb = vc + tables[s * width + p0 / bs] * bs * row;
+            const NextBlock next(kc, vc, p0 + bs < len ? tables[s * width + p0 / bs + 1] : -1,
+                                 bs * row, rows);
+            const float* kf = as_float(kb, kbuf.data(), n * row);
+            const float* vf = as_float(vb, vbuf.data(), n * row);
+            for (int64_t r = 0; r < rows; ++r) {             // r = new token t, query head
+                const int64_t seen = ctx + r / hq + 1 - p0;      // keys of this block it sees
+                const int64_t cnt = seen < n ? seen : n, kvh = (r % hq) / g;
+                next.fetch_slice(r);
+                if (cnt <= 0) continue;
+                const float* qr = &qf[r * d];
+                float best = m[r];
+                int64_t o = 0;
+                if (D > 0)
+                    for (; o + 8 <= cnt; o += 8) dot8<D>(qr, &kf[o * row + kvh * d], row, &p[o]);
+                for (; o < cnt; ++o) p[o] = dot<D>(qr, &kf[o * row + kvh * d], d);
+                for (o = 0; o < cnt; ++o) best = p[o] > best ? p[o] : best;
+                const float alpha = exp_neg(m[r] - best);
+                float sum = 0.0f;
+                #pragma omp simd reduction(+:sum)
+                for (int64_t o = 0; o < cnt; ++o) { p[o] = exp_neg(p[o] - best); sum += p[o]; }
+                accumulate<D>(&acc[r * d], alpha, p.data(), vf + kvh * d, row, cnt, d);
+                l[r] = l[r] * alpha + sum;
+                m[r] = best;
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            const float inv = 1.0f / l[r];
+            T* dst = &out[(q0 * hq + r) * d];
+            for (int64_t e = 0; e < d; ++e) narrow(acc[r * d + e] * inv, &dst[e]);
+        }
+    }
+}
+
+#define ENTRY(NAME, T)                                                                      \
+extern "C" void NAME(const void* q, const void* kc, const void* vc, const int32_t* tables,  \
+                     int64_t width, const int32_t* seq_lens, const int32_t* cu_q,            \
+                     const int32_t* seqs, int64_t n_seqs, void* out, int64_t hq, int64_t hkv, \
+                     int64_t d, int64_t bs, float scale) {                                  \
+    auto run = d == 64 ? attend<T, 64> : d == 128 ? attend<T, 128> : attend<T, 0>;         \
+    run((const T*)q, (const T*)kc, (const T*)vc, tables, width, seq_lens, cu_q, seqs,       \
+        n_seqs, (T*)out, hq, hkv, d, bs, scale);                                            \
+}
+ENTRY(paged_attention_f32, float)
+#ifdef HAVE_AVX512_BF16
+extern "C" void paged_attention_bf16(const void* q, const void* kc, const void* vc,
+                                     const int32_t* tables, int64_t width, const int32_t* seq_lens,
+                                     const int32_t* cu_q, const int32_t* seqs, int64_t n_seqs,
+                                     void* out, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
+                                     float scale) {
+    auto fast = d == 64 ? attend_bf16<64> : d == 128 ? attend_bf16<128> : nullptr;
+    if (fast != nullptr)
+        return fast((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, tables, width,
+                    seq_lens, cu_q, seqs, n_seqs, (uint16_t*)out, hq, hkv, bs, scale);
+    auto run = attend<uint16_t, 0>;
+    run((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, tables, width, seq_lens,
+        cu_q, seqs, n_seqs, (uint16_t*)out, hq, hkv, d, bs, scale);
+}
+#else
+ENTRY(paged_attention_bf16, uint16_t)
+#endif
