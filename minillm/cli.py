@@ -1,14 +1,20 @@
 """The command line: ``python -m minillm generate|chat|serve|bench ...`` (also ``minillm``).
 
-Each subcommand is a pair of functions: ``add_<name>(subparsers)`` declares its arguments and
-sets ``func`` to ``cmd_<name>(args) -> exit code``. :data:`COMMANDS` and
-:data:`BENCH_COMMANDS` list them; a new subcommand (``serve``, ``bench throughput``) is one more
-entry there. A ``ValueError`` raised anywhere below (bad sampling parameters, an unknown model
-name) becomes a one-line ``error: ...`` on stderr and exit code 2, like argparse's own errors.
+Each top-level subcommand is a pair of functions here: ``add_<name>(subparsers)`` declares its
+arguments and sets ``func`` to ``cmd_<name>(args) -> exit code``; :data:`COMMANDS` lists them.
+Each ``bench`` subcommand registers itself, as ``vllm bench`` does: the module
+``minillm.bench.<name>`` (listed in :data:`BENCHMARKS`) has ``HELP``, ``add_arguments(parser)``
+(its own options) and ``main(args) -> exit code``; :func:`add_bench` adds the options every
+benchmark shares (:func:`minillm.bench.common.add_common_args`, beside the other helpers
+``add_peers``, ``peers_of``, ``write_report``, ``log_to_stderr`` and ``use_threads``). A new
+benchmark is a module with those three names and one more entry in :data:`BENCHMARKS`. A
+``ValueError`` raised anywhere below (bad sampling parameters, an unknown model name) becomes a
+one-line ``error: ...`` on stderr and exit code 2, like argparse's own errors.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Iterable, Iterator
 
@@ -170,350 +176,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- bench
 
-def bench_parser(sub, name: str, help: str):
-    """A ``bench NAME`` parser with the options every benchmark shares; it writes
-    benchmarks/results/NAME.json and figures/bench_NAME.png unless told otherwise."""
-    p = sub.add_parser(name, help=help)
-    p.add_argument("--model", default="smollm2-135m", help="model or preset (default: %(default)s)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch (and llama.cpp) threads (default: the available cores)")
-    p.add_argument("--out", default=f"benchmarks/results/{name}.json", help="JSON path")
-    p.add_argument("--figure", default=f"figures/bench_{name}.png",
-                   help="PNG path ('none' to skip the plot)")
-    return p
-
-
-def add_peers(p) -> None:
-    p.add_argument("--peers", nargs="+", default=["hf", "llama.cpp"],
-                   help="engines to compare with: hf, llama.cpp, vllm (make setup-vllm), or "
-                        "none")
-
-
-def peers_of(args: argparse.Namespace) -> list[str]:
-    return [] if args.peers == ["none"] else args.peers
-
-
-def write_report(args: argparse.Namespace, report: dict, table: str, plot) -> int:
-    """Print the table, write the JSON and (unless --figure none) the plot."""
-    import matplotlib.pyplot as plt
-
-    from .bench.common import write_json
-    from .viz import save
-
-    print(table)
-    print(f"wrote {write_json(report, args.out)}")
-    if args.figure != "none":
-        fig = plot(report)
-        print(f"wrote {save(fig, args.figure, dpi=110)}")
-        plt.close(fig)
-    return 0
-
-
-def log_to_stderr(msg: str) -> None:
-    print(msg, file=sys.stderr)
-
-
-def add_bench_decode(sub) -> None:
-    p = bench_parser(sub, "decode", "prefill and batch-1 decode tokens/s vs HF and llama.cpp")
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
-                   help="dtypes of minillm and HF (default: %(default)s)")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated (default: 64)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs; median (default: 3)")
-    add_peers(p)
-    p.set_defaults(func=cmd_bench_decode)
-
-
-def cmd_bench_decode(args: argparse.Namespace) -> int:
-    from .bench.decode import decode_table, run_decode_bench
-    from .viz.bench import plot_decode
-
-    report = run_decode_bench(args.model, dtypes=args.dtypes, prompt_len=args.prompt_len,
-                                    new_tokens=args.new_tokens, repeats=args.repeats,
-                                    device=args.device, threads=args.threads,
-                                    peers=peers_of(args), log=log_to_stderr)
-    return write_report(args, report, decode_table(report), plot_decode)
-
-
-def add_bench_throughput(sub) -> None:
-    p = bench_parser(sub, "throughput", "serving throughput on mixed requests vs HF and "
-                                        "llama.cpp")
-    p.add_argument("--dtype", default=None,
-                   help="dtype of minillm and HF (default: bfloat16 on CUDA; on a CPU the "
-                        "faster of float32 and bfloat16 for it, as minillm.LLM picks)")
-    p.add_argument("--num-requests", type=int, default=64, help="requests (default: 64)")
-    p.add_argument("--hf-batch", type=int, default=32, help="HF static batch (default: 32)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch (default: 64)")
-    p.add_argument("--profile-steps", type=int, default=5,
-                   help="profile this many of minillm's batched decode steps (0: none)")
-    p.add_argument("--attention-backend", default=None,
-                   help="minillm's paged attention: sdpa, triton or cpu (default: as the "
-                        "engine picks, the C++ kernel on a CPU that builds it)")
-    add_peers(p)
-    p.set_defaults(func=cmd_bench_throughput)
-
-
-def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from .bench.throughput import run_throughput_bench, throughput_table
-    from .viz.bench import plot_throughput
-
-    report = run_throughput_bench(args.model, args.num_requests, args.dtype, args.device,
-                                        args.hf_batch, peers_of(args), threads=args.threads,
-                                        say=log_to_stderr, profile_steps=args.profile_steps,
-                                        max_num_seqs=args.max_num_seqs,
-                                        **({"attention_backend": args.attention_backend}
-                                           if args.attention_backend else {}))
-    return write_report(args, report, throughput_table(report), plot_throughput)
-
-
-def add_bench_quant(sub) -> None:
-    from .bench.quant import DEFAULT_SPECS
-
-    p = bench_parser(sub, "quant", "perplexity and batch-1 decode of every quantization format "
-                                   "against bf16")
-    p.add_argument("--dtype", default="bfloat16", help="the float reference and activation "
-                                                      "dtype (default: %(default)s)")
-    p.add_argument("--specs", nargs="+", default=list(DEFAULT_SPECS),
-                   help="formats, method[:group_size] (default: %(default)s)")
-    p.add_argument("--eval-tokens", type=int, default=512, help="held-out tokens for perplexity")
-    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default: 64)")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated (default: 32)")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds; median (default: 3)")
-    p.set_defaults(func=cmd_bench_quant)
-
-
-def cmd_bench_quant(args: argparse.Namespace) -> int:
-    from .bench import quant as qbench
-    from .viz.a1 import plot_quant_bench
-
-    report = qbench.run_quant_bench(args.model, specs=args.specs, dtype=args.dtype,
-                                    eval_tokens=args.eval_tokens, prompt_len=args.prompt_len,
-                                    new_tokens=args.new_tokens, repeats=args.repeats,
-                                    device=args.device, threads=args.threads, log=log_to_stderr)
-    return write_report(args, report, qbench.quant_table(report), plot_quant_bench)
-
-
-def add_bench_spec(sub) -> None:
-    from .bench.spec import ALL_METHODS, DEFAULT_K, METHODS
-    from .bench.spec_load import BUDGETS, MAX_NEW_TOKENS, NUM_REQUESTS, RATES
-
-    p = bench_parser(sub, "spec", "speculative decoding: acceptance and speedup of every drafter")
-    p.add_argument("--methods", nargs="+", default=None,
-                   help=f"(default: {' '.join(ALL_METHODS)}; with --part1: {' '.join(METHODS)})")
-    p.add_argument("--part1", action="store_true",
-                   help="chapter 06's run: part I's methods only (no block drafter weights "
-                        "needed) and no load sweeps")
-    p.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 6, 8],
-                   help=f"lookaheads of the k sweep (default: %(default)s; per-kind runs use "
-                        f"{DEFAULT_K})")
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64],
-                   help="batch sizes (default: %(default)s)")
-    p.add_argument("--prompts-per-kind", type=int, default=3, help="(default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=64, help="(default: %(default)s)")
-    p.add_argument("--dtype", default=None, help="default: what minillm.LLM picks")
-    load = p.add_argument_group("speculation under load (figure: the --figure path + _load)")
-    load.add_argument("--load", action=argparse.BooleanOptionalAction, default=True,
-                      help="equal-budget and request-rate sweeps (default: on, off with --part1)")
-    load.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS),
-                      help="draft tokens verified per sequence per round (default: %(default)s)")
-    load.add_argument("--rates", nargs="+", type=float, default=list(RATES),
-                      help="Poisson request rates, requests/s (default: %(default)s)")
-    load.add_argument("--load-requests", type=int, default=NUM_REQUESTS,
-                      help="requests of each load run (default: %(default)s)")
-    load.add_argument("--load-tokens", type=int, default=MAX_NEW_TOKENS,
-                      help="output tokens per request in the load runs (default: %(default)s)")
-    p.set_defaults(func=cmd_bench_spec)
-
-
-def cmd_bench_spec(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    import matplotlib.pyplot as plt
-
-    from .bench.spec import ALL_METHODS, METHODS, run_spec_bench, spec_table
-    from .bench.spec_load import spec_load_tables
-    from .viz import save
-    from .viz.bench import plot_spec, plot_spec_load
-
-    methods = args.methods or list(METHODS if args.part1 else ALL_METHODS)
-    load = args.load and not args.part1
-    report = run_spec_bench(args.model, methods, args.ks, args.batches,
-                            args.prompts_per_kind, args.max_tokens, args.device, args.dtype,
-                            args.threads, log=log_to_stderr,
-                            load=load and {"budgets": args.budgets, "rates": args.rates,
-                                           "num_requests": args.load_requests,
-                                           "max_tokens": args.load_tokens})
-    write_report(args, report, f"{spec_table(report)}\n\n{spec_load_tables(report)}", plot_spec)
-    if load and args.figure != "none":
-        path = Path(args.figure)
-        fig = plot_spec_load(report)
-        print(f"wrote {save(fig, path.with_name(f'{path.stem}_load{path.suffix}'), dpi=110)}")
-        plt.close(fig)
-    return 0
-
-
-def add_bench_chunked(sub) -> None:
-    from .bench.chunked import BUDGETS
-
-    p = bench_parser(sub, "chunked", "chunked prefill vs prefill_first and decode_first: "
-                                     "inter-token latency, TTFT and throughput")
-    p.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS),
-                   help="chunked prefill's tokens per step; the first is the headline "
-                        "(default: %(default)s)")
-    p.add_argument("--num-decodes", type=int, default=16,
-                   help="running requests, short prompts and long outputs (default: 16)")
-    p.add_argument("--num-long", type=int, default=8,
-                   help="long prompts arriving while they decode (default: 8)")
-    p.add_argument("--long-range", nargs=2, type=int, default=[1000, 2000], metavar=("MIN", "MAX"),
-                   help="long prompt tokens (default: 1000 2000)")
-    p.add_argument("--long-tokens", type=int, default=16,
-                   help="output tokens of each long prompt (default: 16)")
-    p.add_argument("--gap-steps", type=int, default=24,
-                   help="decode steps between two long prompts besides one's prefill "
-                        "(default: 24)")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="rounds of every policy, interleaved; each keeps its shortest "
-                        "(default: 2)")
-    p.add_argument("--seed", type=int, default=0, help="(default: 0)")
-    p.add_argument("--dtype", default=None, help="default: what minillm.LLM picks (the "
-                                                 "equality check always runs in fp32)")
-    p.set_defaults(func=cmd_bench_chunked)
-
-
-def cmd_bench_chunked(args: argparse.Namespace) -> int:
-    from .bench.chunked import chunked_table, run_chunked_bench
-    from .viz.bench import plot_chunked
-
-    report = run_chunked_bench(args.model, args.budgets, args.num_decodes, args.num_long,
-                               tuple(args.long_range), args.dtype, args.device, args.threads,
-                               log=log_to_stderr, long_tokens=args.long_tokens,
-                               gap_steps=args.gap_steps, seed=args.seed,
-                               repeats=args.repeats)
-    return write_report(args, report, chunked_table(report), plot_chunked)
-
-
-def use_threads(args: argparse.Namespace) -> None:
-    """--threads for benchmarks that run on this process's torch threads (CPU only)."""
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
-
-
-def add_bench_disagg(sub) -> None:
-    p = bench_parser(sub, "disagg", "colocated serving vs a 1P1D disaggregated pair (KV whole "
-                                    "and layer by layer) on one Poisson workload")
-    p.add_argument("--num-requests", type=int, default=16, help="(default: %(default)s)")
-    p.add_argument("--rate", type=float, default=1.0, help="requests/s (default: %(default)s)")
-    p.add_argument("--prompt-median", type=int, default=400, help="(default: %(default)s)")
-    p.add_argument("--prompt-max", type=int, default=1200, help="(default: %(default)s)")
-    p.add_argument("--output-median", type=int, default=32, help="(default: %(default)s)")
-    p.add_argument("--dtype", default=None, help="default: what minillm.LLM picks")
-    p.set_defaults(func=cmd_bench_disagg)
-
-
-def cmd_bench_disagg(args: argparse.Namespace) -> int:
-    from .bench.disagg import disagg_table, run_disagg_bench
-    from .viz.bench import plot_disagg
-
-    use_threads(args)
-    report = run_disagg_bench(args.model, args.num_requests, args.rate, args.prompt_median,
-                              args.prompt_max, args.output_median, args.dtype)
-    return write_report(args, report, disagg_table(report), plot_disagg)
-
-
-def add_bench_prefix(sub) -> None:
-    p = bench_parser(sub, "prefix", "prefix caching (hash, radix) on a shared system prompt, "
-                                    "multi-turn chat and pool sizes")
-    p.add_argument("--num-requests", type=int, default=32, help="(default: %(default)s)")
-    p.add_argument("--system-tokens", type=int, default=1000, help="(default: %(default)s)")
-    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0, 8.0],
-                   help="requests/s (default: %(default)s)")
-    p.add_argument("--dtype", default=None, help="default: what minillm.LLM picks")
-    p.add_argument("--parts", nargs="+", default=None,
-                   help="any of shared_prompt multi_turn cache_size tiers blend (default: all)")
-    p.set_defaults(func=cmd_bench_prefix)
-
-
-def cmd_bench_prefix(args: argparse.Namespace) -> int:
-    from .bench.prefix import PARTS, prefix_table, run_prefix_bench
-    from .viz.bench import plot_prefix
-
-    use_threads(args)
-    report = run_prefix_bench(args.model, args.num_requests, args.system_tokens,
-                              tuple(args.rates), dtype=args.dtype,
-                              parts=tuple(args.parts or PARTS))
-    return write_report(args, report, prefix_table(report), plot_prefix)
-
-
-def add_bench_serve(sub) -> None:
-    from .bench.serve import NUM_REQUESTS, PEERS, RATES
-
-    p = bench_parser(sub, "serve", "the OpenAI server under Poisson load against llama.cpp's "
-                                   "server: TTFT, TPOT, ITL, goodput per request rate")
-    p.add_argument("--rates", type=float, nargs="+", default=list(RATES),
-                   help="requests/s (default: %(default)s)")
-    p.add_argument("--num-requests", type=int, default=NUM_REQUESTS,
-                   help="requests per rate (default: %(default)s)")
-    p.add_argument("--peers", nargs="+", default=list(PEERS),
-                   help="servers: minillm, llama.cpp, vllm (default: %(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="minillm's batch (default: "
-                                                                  "the server's)")
-    p.add_argument("--seed", type=int, default=0, help="(default: 0)")
-    p.set_defaults(func=cmd_bench_serve)
-
-
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from .bench.serve import run_serve_bench, serve_table
-    from .viz.bench import plot_serve
-
-    report = run_serve_bench(args.model, tuple(args.rates), args.num_requests,
-                             tuple(args.peers), args.threads, args.max_num_seqs,
-                             seed=args.seed, say=log_to_stderr)
-    return write_report(args, report, serve_table(report), plot_serve)
-
-
-def add_bench_runtime(sub) -> None:
-    p = bench_parser(sub, "runtime", "batch-1 decode eager / compiled / CUDA graphs / int8 / "
-                     "int4 vs llama.cpp; decode step time by batch size")
-    p.add_argument("--configs", nargs="+", default=None,
-                   help="WEIGHTS[@fp32|@bf16][+compile][+graphs] or WEIGHTS[@fp32|@bf16]+engine, "
-                        "WEIGHTS fp32, bf16, int8 or int4 (default: a CPU or a GPU set)")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated (default: 64)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs; median (default: 3)")
-    p.add_argument("--batch-sizes", type=int, nargs="*", default=[],
-                   help="also time the decode step at these batch sizes")
-    p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
-    p.set_defaults(func=cmd_bench_runtime)
-
-
-def cmd_bench_runtime(args: argparse.Namespace) -> int:
-    from .bench.runtime import run_runtime_bench, runtime_table
-    from .viz.a3 import plot_runtime
-
-    report = run_runtime_bench(args.model, args.configs, args.prompt_len, args.new_tokens,
-                               args.repeats, args.batch_sizes, args.device, args.threads,
-                               llama=not args.no_llama, log=log_to_stderr)
-    return write_report(args, report, runtime_table(report), plot_runtime)
-
-
-#: ``bench`` subcommands.
-BENCH_COMMANDS: dict[str, AddParser] = {"decode": add_bench_decode,
-                                        "throughput": add_bench_throughput,
-                                        "quant": add_bench_quant, "spec": add_bench_spec,
-                                        "chunked": add_bench_chunked,
-                                        "disagg": add_bench_disagg,
-                                        "prefix": add_bench_prefix,
-                                        "serve": add_bench_serve,
-                                        "runtime": add_bench_runtime}
+#: ``bench`` subcommands, in ``bench --help`` order: each is the module minillm.bench.NAME, which
+#: has ``HELP`` (the one-line help), ``add_arguments(parser)`` and ``main(args) -> exit code``.
+BENCHMARKS = ("decode", "throughput", "quant", "spec", "chunked", "disagg", "prefix", "serve",
+              "runtime")
 
 
 def add_bench(sub) -> None:
+    from .bench.common import add_common_args
+
     p = sub.add_parser("bench", help="benchmarks that compare minillm with its peers")
     inner = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    for add in BENCH_COMMANDS.values():
-        add(inner)
+    for name in BENCHMARKS:
+        module = importlib.import_module(f"minillm.bench.{name}")
+        bench = inner.add_parser(name, help=module.HELP)
+        add_common_args(bench, name)
+        module.add_arguments(bench)
+        bench.set_defaults(func=module.main)
 
 
 # ----------------------------------------------------------------------------- serve

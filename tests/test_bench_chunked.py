@@ -218,6 +218,6 @@ def test_cli_accepts_the_options():
         ([128, 256], 4, 2, [100, 200], "float32")
     assert (args.gap_steps, args.long_tokens, args.repeats, args.out, args.figure) == \
         (8, 4, 3, "x.json", "none")
-    assert args.func.__name__ == "cmd_bench_chunked"
+    assert args.func is chunked.main
     default = build_parser().parse_args(["bench", "chunked"])
     assert default.budgets == [256, 512] and default.out == "benchmarks/results/chunked.json"

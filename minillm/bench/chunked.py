@@ -36,6 +36,7 @@ decode, give the same greedy token ids under every policy and budget.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import random
@@ -53,7 +54,7 @@ from ..device import resolve_device, serving_dtype
 from ..engine import EngineConfig, LLMEngine
 from ..evaluate import sample_ids
 from ..runinfo import machine_info
-from .common import dtype_name, format_table, percentile
+from .common import dtype_name, format_table, log_to_stderr, percentile, write_report
 
 BUDGETS = (256, 512)           # chunked prefill's token budgets per step
 POLICIES = ("prefill_first", "decode_first", "chunked")
@@ -508,6 +509,48 @@ def chunked_table(report: dict) -> str:
         lines.append(f"load average before {report['load_average_before']}, after "
                      f"{report['load_average_after']}; {report['seconds']:.0f} s")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- command line
+
+HELP = ("chunked prefill vs prefill_first and decode_first: inter-token latency, TTFT and "
+        "throughput")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``minillm bench chunked``'s options (the shared ones: :func:`.common.add_common_args`)."""
+    parser.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS),
+                        help="chunked prefill's tokens per step; the first is the headline "
+                             "(default: %(default)s)")
+    parser.add_argument("--num-decodes", type=int, default=16,
+                        help="running requests, short prompts and long outputs (default: 16)")
+    parser.add_argument("--num-long", type=int, default=8,
+                        help="long prompts arriving while they decode (default: 8)")
+    parser.add_argument("--long-range", nargs=2, type=int, default=[1000, 2000],
+                        metavar=("MIN", "MAX"), help="long prompt tokens (default: 1000 2000)")
+    parser.add_argument("--long-tokens", type=int, default=16,
+                        help="output tokens of each long prompt (default: 16)")
+    parser.add_argument("--gap-steps", type=int, default=24,
+                        help="decode steps between two long prompts besides one's prefill "
+                             "(default: 24)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="rounds of every policy, interleaved; each keeps its shortest "
+                             "(default: 2)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    parser.add_argument("--dtype", default=None, help="default: what minillm.LLM picks (the "
+                                                      "equality check always runs in fp32)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``minillm bench chunked``; print the table, write the JSON and the plot."""
+    from ..viz.bench import plot_chunked
+
+    report = run_chunked_bench(args.model, args.budgets, args.num_decodes, args.num_long,
+                               tuple(args.long_range), args.dtype, args.device, args.threads,
+                               log=log_to_stderr, long_tokens=args.long_tokens,
+                               gap_steps=args.gap_steps, seed=args.seed,
+                               repeats=args.repeats)
+    return write_report(args, report, chunked_table(report), plot_chunked)
 
 
 __all__ = ["BUDGETS", "ChunkedWorkload", "TimedRun", "calibrate", "chunked_table", "drive",

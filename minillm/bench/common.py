@@ -1,14 +1,21 @@
 """What every benchmark shares: machine facts, one timer, the batch-1 runners of each engine,
 JSON output and one table formatter. Each benchmark is a module beside this one (``decode``,
 ``throughput``, ``quant``) and writes its report with :func:`write_json`.
+
+The command line helpers at the end (:func:`add_common_args`, :func:`add_peers`,
+:func:`peers_of`, :func:`write_report`, :func:`log_to_stderr`, :func:`use_threads`) serve each
+benchmark module's ``add_arguments(parser)`` and ``main(args)``, which ``minillm.cli`` registers
+as ``minillm bench NAME``.
 """
 from __future__ import annotations
 
+import argparse
 import inspect
 import json
 import math
 import re
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -245,3 +252,52 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def add_common_args(p: argparse.ArgumentParser, name: str) -> None:
+    """The options every ``bench NAME`` parser shares; it writes benchmarks/results/NAME.json and
+    figures/bench_NAME.png unless told otherwise."""
+    p.add_argument("--model", default="smollm2-135m", help="model or preset (default: %(default)s)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch (and llama.cpp) threads (default: the available cores)")
+    p.add_argument("--out", default=f"benchmarks/results/{name}.json", help="JSON path")
+    p.add_argument("--figure", default=f"figures/bench_{name}.png",
+                   help="PNG path ('none' to skip the plot)")
+
+
+def add_peers(p) -> None:
+    p.add_argument("--peers", nargs="+", default=["hf", "llama.cpp"],
+                   help="engines to compare with: hf, llama.cpp, vllm (make setup-vllm), or "
+                        "none")
+
+
+def peers_of(args: argparse.Namespace) -> list[str]:
+    return [] if args.peers == ["none"] else args.peers
+
+
+def write_report(args: argparse.Namespace, report: dict, table: str, plot) -> int:
+    """Print the table, write the JSON and (unless --figure none) the plot."""
+    import matplotlib.pyplot as plt
+
+    from ..viz import save
+
+    print(table)
+    print(f"wrote {write_json(report, args.out)}")
+    if args.figure != "none":
+        fig = plot(report)
+        print(f"wrote {save(fig, args.figure, dpi=110)}")
+        plt.close(fig)
+    return 0
+
+
+def log_to_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def use_threads(args: argparse.Namespace) -> None:
+    """--threads for benchmarks that run on this process's torch threads (CPU only)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)

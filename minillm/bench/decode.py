@@ -23,6 +23,7 @@ GGUF file, a preset gets our random weights through
 """
 from __future__ import annotations
 
+import argparse
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -36,6 +37,7 @@ from ..device import resolve_device, resolve_dtype
 from ..runinfo import available_cores, machine_info
 from .common import (
     Runner,
+    add_peers,
     bench_prompt,
     dtype_name,
     format_table,
@@ -43,9 +45,12 @@ from .common import (
     llama_cpp_available,
     llama_cpp_runner,
     load_hf_peer,
+    log_to_stderr,
     median_times,
     minillm_runner,
+    peers_of,
     rates,
+    write_report,
 )
 
 PEERS = ("hf", "llama.cpp")
@@ -169,3 +174,30 @@ def decode_table(report: dict) -> str:
             dec = r["decode_tok_s"] / peer["decode_tok_s"]
             lines.append(f"minillm / hf at {dt}: prefill x{pre:.2f}, decode x{dec:.2f}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- command line
+
+HELP = "prefill and batch-1 decode tokens/s vs HF and llama.cpp"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``minillm bench decode``'s options (the shared ones: :func:`.common.add_common_args`)."""
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        help="dtypes of minillm and HF (default: %(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
+    parser.add_argument("--new-tokens", type=int, default=64,
+                        help="tokens generated (default: 64)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs; median (default: 3)")
+    add_peers(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``minillm bench decode``; print the table, write the JSON and the plot."""
+    from ..viz.bench import plot_decode
+
+    report = run_decode_bench(args.model, dtypes=args.dtypes, prompt_len=args.prompt_len,
+                              new_tokens=args.new_tokens, repeats=args.repeats,
+                              device=args.device, threads=args.threads,
+                              peers=peers_of(args), log=log_to_stderr)
+    return write_report(args, report, decode_table(report), plot_decode)

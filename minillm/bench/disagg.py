@@ -11,6 +11,7 @@ it that was exposed (the decode side had the KV that long after the prefill ende
 """
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -21,7 +22,7 @@ from ..config import SamplingParams
 from ..course.ch04_workload import poisson_arrivals, sharegpt_like_workload
 from ..device import serving_dtype
 from ..runinfo import machine_info
-from .common import format_table, percentile
+from .common import format_table, percentile, use_threads, write_report
 
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.2
 
@@ -138,3 +139,30 @@ def disagg_table(report: dict) -> str:
             ("p90", ".1f"), ("SLO met", ".2f"), ("goodput req/s", ".2f"), ("tok/s", ".1f"),
             ("KV MiB", ".1f"), ("transfer ms", ".1f"), ("exposed ms", ".1f")]
     return format_table(cols, rows)
+
+
+# ----------------------------------------------------------------------------- command line
+
+HELP = ("colocated serving vs a 1P1D disaggregated pair (KV whole and layer by layer) on one "
+        "Poisson workload")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``minillm bench disagg``'s options (the shared ones: :func:`.common.add_common_args`)."""
+    parser.add_argument("--num-requests", type=int, default=16, help="(default: %(default)s)")
+    parser.add_argument("--rate", type=float, default=1.0,
+                        help="requests/s (default: %(default)s)")
+    parser.add_argument("--prompt-median", type=int, default=400, help="(default: %(default)s)")
+    parser.add_argument("--prompt-max", type=int, default=1200, help="(default: %(default)s)")
+    parser.add_argument("--output-median", type=int, default=32, help="(default: %(default)s)")
+    parser.add_argument("--dtype", default=None, help="default: what minillm.LLM picks")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``minillm bench disagg``; print the table, write the JSON and the plot."""
+    from ..viz.bench import plot_disagg
+
+    use_threads(args)
+    report = run_disagg_bench(args.model, args.num_requests, args.rate, args.prompt_median,
+                              args.prompt_max, args.output_median, args.dtype)
+    return write_report(args, report, disagg_table(report), plot_disagg)

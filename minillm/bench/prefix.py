@@ -26,6 +26,7 @@ Three workloads on the real model, each served by :func:`minillm.course.ch04_wor
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import math
 import os
@@ -40,7 +41,7 @@ from ..course.ch04_workload import poisson_arrivals, serve
 from ..engine import EngineConfig, LLMEngine
 from ..evaluate import sample_text
 from ..runinfo import machine_info
-from .common import format_table, percentile
+from .common import format_table, percentile, use_threads, write_report
 from .throughput import Workload
 
 QUESTIONS = ["What is the main idea?", "Summarise the second sentence.", "Who is speaking?",
@@ -322,3 +323,32 @@ def blend_table(blend: dict) -> str:
     return format_table([("prefill", "s"), ("TTFT p50 ms", ".1f"), ("lower x", ".2f"),
                          ("recomputed", ".2f"), ("agreement", ".2f"), ("token match", ".2f"),
                          ("answer ppl", ".3f")], rows)
+
+
+# ----------------------------------------------------------------------------- command line
+
+HELP = ("prefix caching (hash, radix) on a shared system prompt, multi-turn chat and pool "
+        "sizes")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``minillm bench prefix``'s options (the shared ones: :func:`.common.add_common_args`)."""
+    parser.add_argument("--num-requests", type=int, default=32, help="(default: %(default)s)")
+    parser.add_argument("--system-tokens", type=int, default=1000, help="(default: %(default)s)")
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0, 8.0],
+                        help="requests/s (default: %(default)s)")
+    parser.add_argument("--dtype", default=None, help="default: what minillm.LLM picks")
+    parser.add_argument("--parts", nargs="+", default=None,
+                        help="any of shared_prompt multi_turn cache_size tiers blend "
+                             "(default: all)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``minillm bench prefix``; print the table, write the JSON and the plot."""
+    from ..viz.bench import plot_prefix
+
+    use_threads(args)
+    report = run_prefix_bench(args.model, args.num_requests, args.system_tokens,
+                              tuple(args.rates), dtype=args.dtype,
+                              parts=tuple(args.parts or PARTS))
+    return write_report(args, report, prefix_table(report), plot_prefix)

@@ -12,6 +12,7 @@ alike, and speed-ups are ratios measured side by side.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +32,15 @@ from ..quant.quantize import (
     weight_bytes,
 )
 from ..runinfo import machine_info
-from .common import bench_prompt, format_table, median_times, minillm_runner, rates
+from .common import (
+    bench_prompt,
+    format_table,
+    log_to_stderr,
+    median_times,
+    minillm_runner,
+    rates,
+    write_report,
+)
 
 DEFAULT_SPECS = ("int8", "int4", "gptq", "awq", "hqq", "int4:64", "hqq:64", "q8_0", "q4_1",
                  "q4_k")
@@ -154,3 +163,34 @@ def quant_table(report: dict) -> str:
                      f"{c['target_speedup']}), ppl x{c['ppl_ratio']:.3f} (want <= "
                      f"{c['target_ppl_ratio']}): {verdict}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- command line
+
+HELP = "perplexity and batch-1 decode of every quantization format against bf16"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``minillm bench quant``'s options (the shared ones: :func:`.common.add_common_args`)."""
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="the float reference and activation dtype (default: %(default)s)")
+    parser.add_argument("--specs", nargs="+", default=list(DEFAULT_SPECS),
+                        help="formats, method[:group_size] (default: %(default)s)")
+    parser.add_argument("--eval-tokens", type=int, default=512,
+                        help="held-out tokens for perplexity")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default: 64)")
+    parser.add_argument("--new-tokens", type=int, default=32,
+                        help="tokens generated (default: 32)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed rounds; median (default: 3)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``minillm bench quant``; print the table, write the JSON and the plot."""
+    from ..viz.a1 import plot_quant_bench
+
+    report = run_quant_bench(args.model, specs=args.specs, dtype=args.dtype,
+                             eval_tokens=args.eval_tokens, prompt_len=args.prompt_len,
+                             new_tokens=args.new_tokens, repeats=args.repeats,
+                             device=args.device, threads=args.threads, log=log_to_stderr)
+    return write_report(args, report, quant_table(report), plot_quant_bench)

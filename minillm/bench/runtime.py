@@ -17,6 +17,7 @@ size (:func:`~minillm.runtime.pad_to_captured`).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -42,9 +43,11 @@ from .common import (
     format_table,
     llama_cpp_available,
     llama_cpp_runner,
+    log_to_stderr,
     median_times,
     minillm_runner,
     rates,
+    write_report,
 )
 from .decode import common_prefix
 
@@ -279,3 +282,34 @@ def runtime_table(report: dict) -> str:
         lines.append(f"batch {r['batch']:>3} {r['config']:<24} {r['step_ms']:8.2f} ms/step "
                      f"{r['tok_s']:8.1f} tok/s (padded to {r['padded_to']})")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- command line
+
+HELP = ("batch-1 decode eager / compiled / CUDA graphs / int8 / int4 vs llama.cpp; decode step "
+        "time by batch size")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``minillm bench runtime``'s options (the shared ones: :func:`.common.add_common_args`)."""
+    parser.add_argument("--configs", nargs="+", default=None,
+                        help="WEIGHTS[@fp32|@bf16][+compile][+graphs] or "
+                             "WEIGHTS[@fp32|@bf16]+engine, WEIGHTS fp32, bf16, int8 or int4 "
+                             "(default: a CPU or a GPU set)")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: 128)")
+    parser.add_argument("--new-tokens", type=int, default=64,
+                        help="tokens generated (default: 64)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs; median (default: 3)")
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[],
+                        help="also time the decode step at these batch sizes")
+    parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``minillm bench runtime``; print the table, write the JSON and the plot."""
+    from ..viz.a3 import plot_runtime
+
+    report = run_runtime_bench(args.model, args.configs, args.prompt_len, args.new_tokens,
+                               args.repeats, args.batch_sizes, args.device, args.threads,
+                               llama=not args.no_llama, log=log_to_stderr)
+    return write_report(args, report, runtime_table(report), plot_runtime)

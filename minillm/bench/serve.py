@@ -22,6 +22,7 @@ venv is missing).
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -42,7 +43,7 @@ import torch
 from ..course.ch04_workload import poisson_arrivals, sharegpt_like_workload
 from ..course.placement import SLO, goodput_of, tpot
 from ..runinfo import available_cores, free_port, machine_info
-from .common import format_table, percentile
+from .common import format_table, log_to_stderr, percentile, write_report
 from .disagg import SLO_TPOT_S, SLO_TTFT_S
 from .vllm_peer import vllm_missing, vllm_spec, vllm_version
 
@@ -479,3 +480,31 @@ def serve_table(report: dict) -> str:
     skipped = [f"{n}: {s['skipped']}" for n, s in report["servers"].items() if "skipped" in s]
     return "\n".join([format_table(cols, rows), *skipped, f"vllm: {report['vllm']}"])
 
+
+# ----------------------------------------------------------------------------- command line
+
+HELP = ("the OpenAI server under Poisson load against llama.cpp's server: TTFT, TPOT, ITL, "
+        "goodput per request rate")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``minillm bench serve``'s options (the shared ones: :func:`.common.add_common_args`)."""
+    parser.add_argument("--rates", type=float, nargs="+", default=list(RATES),
+                        help="requests/s (default: %(default)s)")
+    parser.add_argument("--num-requests", type=int, default=NUM_REQUESTS,
+                        help="requests per rate (default: %(default)s)")
+    parser.add_argument("--peers", nargs="+", default=list(PEERS),
+                        help="servers: minillm, llama.cpp, vllm (default: %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="minillm's batch (default: the server's)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``minillm bench serve``; print the table, write the JSON and the plot."""
+    from ..viz.bench import plot_serve
+
+    report = run_serve_bench(args.model, tuple(args.rates), args.num_requests,
+                             tuple(args.peers), args.threads, args.max_num_seqs,
+                             seed=args.seed, say=log_to_stderr)
+    return write_report(args, report, serve_table(report), plot_serve)

@@ -24,6 +24,7 @@ Part I's methods are :data:`METHODS` (chapter 06); the block drafters of part II
 """
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -38,7 +39,7 @@ from ..runinfo import machine_info
 from ..spec.config import BLOCK_METHODS, MAX_TOKENS
 from ..spec.prompts import KINDS, benchmark_prompts
 from ..spec.speculator import SpecStats, build_speculator
-from .common import dtype_name, format_table
+from .common import dtype_name, format_table, log_to_stderr, write_report
 
 METHODS = ("ngram", "draft_model", "medusa", "eagle", "mtp")      # part I (chapter 06)
 ALL_METHODS = METHODS + BLOCK_METHODS                               # + dflash, ddtree, dspark
@@ -242,3 +243,66 @@ def spec_table(report: dict) -> str:
     return format_table([("method", "<11"), ("k", ">2"), ("kind", "<8"), ("batch", ">5"),
                          ("tok/s", ">7.1f"), ("speedup", ">7.2f"), ("expected", ">8.2f"),
                          ("tok/round", ">9.2f"), ("acceptance by position", "<30")], rows)
+
+
+# ----------------------------------------------------------------------------- command line
+
+HELP = "speculative decoding: acceptance and speedup of every drafter"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``minillm bench spec``'s options (the shared ones: :func:`.common.add_common_args`)."""
+    from .spec_load import BUDGETS, MAX_NEW_TOKENS, NUM_REQUESTS, RATES  # spec_load imports us
+
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help=f"(default: {' '.join(ALL_METHODS)}; with --part1: "
+                             f"{' '.join(METHODS)})")
+    parser.add_argument("--part1", action="store_true",
+                        help="chapter 06's run: part I's methods only (no block drafter weights "
+                             "needed) and no load sweeps")
+    parser.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 6, 8],
+                        help=f"lookaheads of the k sweep (default: %(default)s; per-kind runs "
+                             f"use {DEFAULT_K})")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64],
+                        help="batch sizes (default: %(default)s)")
+    parser.add_argument("--prompts-per-kind", type=int, default=3, help="(default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="(default: %(default)s)")
+    parser.add_argument("--dtype", default=None, help="default: what minillm.LLM picks")
+    load = parser.add_argument_group("speculation under load (figure: the --figure path + _load)")
+    load.add_argument("--load", action=argparse.BooleanOptionalAction, default=True,
+                      help="equal-budget and request-rate sweeps (default: on, off with --part1)")
+    load.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS),
+                      help="draft tokens verified per sequence per round (default: %(default)s)")
+    load.add_argument("--rates", nargs="+", type=float, default=list(RATES),
+                      help="Poisson request rates, requests/s (default: %(default)s)")
+    load.add_argument("--load-requests", type=int, default=NUM_REQUESTS,
+                      help="requests of each load run (default: %(default)s)")
+    load.add_argument("--load-tokens", type=int, default=MAX_NEW_TOKENS,
+                      help="output tokens per request in the load runs (default: %(default)s)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``minillm bench spec``; print the tables, write the JSON and the two plots."""
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+
+    from ..viz import save
+    from ..viz.bench import plot_spec, plot_spec_load
+    from .spec_load import spec_load_tables
+
+    methods = args.methods or list(METHODS if args.part1 else ALL_METHODS)
+    load = args.load and not args.part1
+    report = run_spec_bench(args.model, methods, args.ks, args.batches,
+                            args.prompts_per_kind, args.max_tokens, args.device, args.dtype,
+                            args.threads, log=log_to_stderr,
+                            load=load and {"budgets": args.budgets, "rates": args.rates,
+                                           "num_requests": args.load_requests,
+                                           "max_tokens": args.load_tokens})
+    write_report(args, report, f"{spec_table(report)}\n\n{spec_load_tables(report)}", plot_spec)
+    if load and args.figure != "none":
+        path = Path(args.figure)
+        fig = plot_spec_load(report)
+        print(f"wrote {save(fig, path.with_name(f'{path.stem}_load{path.suffix}'), dpi=110)}")
+        plt.close(fig)
+    return 0

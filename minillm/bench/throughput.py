@@ -18,6 +18,7 @@ Same machine, same threads, one run.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import time
@@ -32,7 +33,17 @@ from ..device import resolve_device, serving_dtype
 from ..engine import EngineConfig, LLMEngine
 from ..evaluate import sample_ids
 from ..runinfo import machine_info
-from .common import dtype_name, format_table, llama_cpp_available, load_hf_peer, timed
+from .common import (
+    add_peers,
+    dtype_name,
+    format_table,
+    llama_cpp_available,
+    load_hf_peer,
+    log_to_stderr,
+    peers_of,
+    timed,
+    write_report,
+)
 
 
 @dataclass(frozen=True)
@@ -284,6 +295,41 @@ def throughput_table(report: dict) -> str:
     if (report.get("vllm") or {}).get("skipped"):
         lines.append(f"vllm: {report['vllm']['skipped']}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- command line
+
+HELP = "serving throughput on mixed requests vs HF and llama.cpp"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``minillm bench throughput``'s options (the shared ones: :func:`.common.add_common_args`)."""
+    parser.add_argument("--dtype", default=None,
+                        help="dtype of minillm and HF (default: bfloat16 on CUDA; on a CPU the "
+                             "faster of float32 and bfloat16 for it, as minillm.LLM picks)")
+    parser.add_argument("--num-requests", type=int, default=64, help="requests (default: 64)")
+    parser.add_argument("--hf-batch", type=int, default=32, help="HF static batch (default: 32)")
+    parser.add_argument("--max-num-seqs", type=int, default=64,
+                        help="engine batch (default: 64)")
+    parser.add_argument("--profile-steps", type=int, default=5,
+                        help="profile this many of minillm's batched decode steps (0: none)")
+    parser.add_argument("--attention-backend", default=None,
+                        help="minillm's paged attention: sdpa, triton or cpu (default: as the "
+                             "engine picks, the C++ kernel on a CPU that builds it)")
+    add_peers(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``minillm bench throughput``; print the table, write the JSON and the plot."""
+    from ..viz.bench import plot_throughput
+
+    report = run_throughput_bench(args.model, args.num_requests, args.dtype, args.device,
+                                  args.hf_batch, peers_of(args), threads=args.threads,
+                                  say=log_to_stderr, profile_steps=args.profile_steps,
+                                  max_num_seqs=args.max_num_seqs,
+                                  **({"attention_backend": args.attention_backend}
+                                     if args.attention_backend else {}))
+    return write_report(args, report, throughput_table(report), plot_throughput)
 
 
 __all__ = ["Workload", "make_workload", "run_throughput_bench", "throughput_table"]
