@@ -168,7 +168,7 @@ BUGS = (
         "            (lambda *args: None)(plan, self.config,",
         (POLICY + "test_a_plan_breaking_a_rule_fails_its_requests_alone",)),
     Bug("allocator-unchecked", "the pool takes whatever block the allocator hands out",
-        "minillm/cache/block_manager.py",
+        "minillm/cache/block_pool.py",
         "        if rule is not None:\n            raise AllocatorError(",
         "        if False:\n            raise AllocatorError(",
         (POLICY + "test_an_allocator_handing_out_a_used_block_fails_that_request_alone",)),

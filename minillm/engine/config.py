@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..attention.paged import PagedAttentionBackend, get_paged_backend
-from ..cache.block_manager import BlockAllocator
+from ..cache.block_pool import BlockAllocator
 from ..cache.offload import OffloadConfig, physical_memory
 from ..cache.pool import block_bytes
 from ..cache.prefix import PrefixCache, PrefixCacheFactory, check_prefix_cache
@@ -104,7 +104,7 @@ class EngineConfig(SchedulerConfig):
     :class:`~.scheduler.Scheduler` (vLLM's option of that name); the engine checks each of its
     plans (:func:`~.plan.check_plan`) and fails the requests of a plan that breaks a rule.
     ``block_allocator``: which free block the device pool hands out next: "fifo" (the least
-    recently freed first) or a :class:`~minillm.cache.block_manager.BlockAllocator` class;
+    recently freed first) or a :class:`~minillm.cache.block_pool.BlockAllocator` class;
     a block it hands out that is in use fails the request that asked for it.
     ``sampler``: draws the next token of each row (:class:`~.sampler.Sampler`; None: the
     package's :func:`~.sampler.sample_rows`); a row whose token it gets wrong fails its request.

@@ -41,7 +41,8 @@ whole or waits for the next step.
 """
 from __future__ import annotations
 
-from ..cache.block_manager import AllocatorError, BlockManager, blocks_for
+from ..cache.block_manager import BlockManager, blocks_for
+from ..cache.block_pool import AllocatorError
 from ..cache.prefix import PrefixCacheError
 from .config import SchedulerConfig
 from .connector import ConnectorError, KVConnector, check_external_tokens
