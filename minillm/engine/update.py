@@ -26,6 +26,7 @@ class StepUpdater:
     _finished: list[int]
 
     def finish(self, req: Request) -> list[int]:
+        """Drop ``req`` from every queue and free its blocks (the scheduler's own)."""
         raise NotImplementedError
 
     def update_from_output(self, plan: SchedulerOutput, out: RunnerOutput) -> StepUpdate:
