@@ -73,9 +73,9 @@ results: setup
 # Chapter 06's drafters: the self-distillation data (about 15 minutes, resumable), then eagle,
 # mtp, medusa and draft_model (about 10 minutes each on 2 CPU cores, resumable), then the block
 # drafter of 06b (dflash + DSpark's heads: its layer features about 2 minutes, then about 15)
-# into minillm/spec/weights/.
+# into minillm/spec_decode/weights/.
 drafters: setup
-	$(BIN)/python -m minillm.spec.train all
+	$(BIN)/python -m minillm.spec_decode.training.train all
 
 lint: setup
 	$(BIN)/ruff check minillm kernels tests benchmarks

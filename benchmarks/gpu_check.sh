@@ -43,7 +43,9 @@ run_named() {
     # appendix A2: copy bandwidth by size, matmul rates per dtype, divergence, occupancy
     a2) check a2 150 a2_gpu_check.py a2_gpu.json ;;
     # the engine: every path (chunked prefill, swap, n > 1, beams) with the Triton and sdpa
-    # backends == each request alone, at SmolLM2 and Llama-3.2-1B shapes; throughput vs HF
+    # backends == each request alone, at SmolLM2 and Llama-3.2-1B shapes; throughput vs HF;
+    # CUDA graphs of decode steps (cuda_graphs=True) == eager greedy tokens, and the batch-32
+    # decode step's wall time and GPU idle time, eager vs replayed
     engine) check engine 200 gpu_engine_check.py engine_gpu.json ;;
     # speculative decoding: every method (part I and the block drafters) == the plain engine
     # (Triton backend), forward cost vs tokens, n-gram speedup at batch 1, speedup vs batch

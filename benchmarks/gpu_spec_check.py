@@ -33,9 +33,9 @@ from minillm.checkpoint import load_model
 from minillm.device import resolve_device, sync
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.runinfo import machine_info
-from minillm.spec.config import BLOCK_METHODS
-from minillm.spec.drafters import DrafterConfig, DraftHead, build_drafter
-from minillm.spec.speculator import build_speculator
+from minillm.spec_decode.config import BLOCK_METHODS
+from minillm.spec_decode.drafters import DrafterConfig, DraftHead, build_drafter
+from minillm.spec_decode.speculator import build_speculator
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 SWEEP = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -44,7 +44,7 @@ DRAFT_VOCAB = 4096
 
 def block_layers(n_layers: int) -> tuple[int, ...]:
     """The target layers a block drafter reads: early, a third, two thirds, late (like the
-    trained one's, ``minillm.spec.train.CONFIGS["dflash"]``)."""
+    trained one's, ``minillm.spec_decode.training.train.CONFIGS["dflash"]``)."""
     return tuple(sorted({1, n_layers // 3, 2 * n_layers // 3, n_layers - 2}
                         & set(range(n_layers))))
 

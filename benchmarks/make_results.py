@@ -586,7 +586,7 @@ def serve_tables(d: dict, name: str) -> list[str]:
            f"other. Load average before the first server and after each: "
            f"{loads(d.get('load_average'))}. Each cell: TTFT p50 / p99, TPOT p50, output tok/s, "
            "share meeting both SLOs. Goodput rate: DistServe's, the highest rate swept before the "
-           "first whose SLO share falls short (`minillm.course.placement.goodput_of`); none when "
+           "first whose SLO share falls short (`minillm.serving_metrics.goodput_of`); none when "
            "the lowest already does.", ""]
     out += about(d, name, command)
     out += [caption(d, name), ""]

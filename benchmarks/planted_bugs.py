@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "planted_bugs.json"
-SPEC = "tests/test_spec_verify.py::"
+SPEC = "tests/spec_decode/test_spec_verify.py::"
 PREFIX = "tests/test_prefix_cache.py::"
 STEPS = "tests/test_step_policy.py::"
 PAGED = "tests/test_paged_attention_backend.py::"
@@ -62,25 +62,25 @@ class Bug:
 
 BUGS = (
     Bug("spec-bonus-row", "the bonus token after a whole chain drawn from row k - 1",
-        "minillm/spec/verify.py",
+        "minillm/spec_decode/verify.py",
         "    return k, _draw(p[k], generator)",
         "    return k, _draw(p[k - 1], generator)",
         (SPEC + "test_the_bonus_token_after_a_whole_chain_comes_from_the_last_row",
          SPEC + "test_the_bonus_token_follows_the_last_row_in_distribution")),
     Bug("spec-greedy-bonus-row", "greedy: the bonus token read from row k - 1",
-        "minillm/spec/verify.py",
+        "minillm/spec_decode/verify.py",
         "    return a, int(target_argmax[a])",
         "    return a, int(target_argmax[min(a, len(draft) - 1)])",
         (SPEC + "test_greedy_keeps_the_agreeing_prefix",
          SPEC + "test_the_bonus_token_after_a_whole_chain_comes_from_the_last_row")),
     Bug("spec-tree-bonus-row", "tree: the bonus token drawn from the parent's row",
-        "minillm/spec/verify.py",
+        "minillm/spec_decode/verify.py",
         "            return path, _draw(target, generator)",
         "            return path, _draw(p[path[-2]] if len(path) > 1 else target, generator)",
         (SPEC + "test_tree_rules_take_the_bonus_token_from_the_last_accepted_node",
          SPEC + "test_tree_bonus_token_follows_the_leafs_row_in_distribution")),
     Bug("spec-greedy-tree-bonus", "greedy tree: the bonus token read at the parent",
-        "minillm/spec/verify.py",
+        "minillm/spec_decode/verify.py",
         "            return path, int(target_argmax[node])",
         "            return path, int(target_argmax[path[-2] if len(path) > 1 else node])",
         (SPEC + "test_tree_rules_take_the_bonus_token_from_the_last_accepted_node",)),

@@ -17,18 +17,18 @@ from minillm.bench.chunked import (
     ITL_TARGET,
     THROUGHPUT_TARGET,
     ChunkedWorkload,
-    TimedRun,
     chunked_table,
+    chunked_workload,
     inter_token_latencies,
     itl_stats,
-    make_workload,
-    percentile,
     run_chunked_bench,
     same_outputs_check,
     summarize,
     workload_prompts,
 )
 from minillm.cli import build_parser
+from minillm.driver import DriveResult, RequestRecord, StepTiming
+from minillm.serving_metrics import percentile
 from minillm.viz.bench import plot_chunked
 
 BUDGETS = (32, 64)
@@ -63,10 +63,11 @@ def test_summary_of_a_hand_made_run():
     """Two running requests and one long prompt arriving at 1 s, token times by hand."""
     work = ChunkedWorkload([[1] * 4, [2] * 6, [3] * 20], [3, 3, 2], [0.0, 0.0, 1.0],
                            ["decode", "decode", "long"])
-    run = TimedRun({"0": [0.5, 1.0, 3.0], "1": [0.5, 1.0, 3.5], "2": [3.0, 3.5]},
-                   {"0": [7] * 3, "1": [7] * 3, "2": [7] * 2},
-                   [(0.0, 0.5, 10, 0, 2), (0.5, 1.0, 0, 2, 2), (1.0, 3.0, 20, 0, 1),
-                    (3.0, 3.5, 0, 2, 2)])
+    times = [[0.5, 1.0, 3.0], [0.5, 1.0, 3.5], [3.0, 3.5]]
+    records = [RequestRecord(str(i), work.arrivals[i], len(work.prompts[i]),
+                             token_ids=[7] * len(t), token_times=t) for i, t in enumerate(times)]
+    steps = [(0.0, 0.5, 10, 0, 2), (0.5, 1.0, 0, 2, 2), (1.0, 3.0, 20, 0, 1), (3.0, 3.5, 0, 2, 2)]
+    run = DriveResult(records, [StepTiming(*s) for s in steps], [], 3.5)
     s = summarize(work, run)
     assert s["itl"]["max"] == 2.5 and s["itl"]["count"] == 4     # gaps 0.5 0.5 2.0 2.5
     assert s["itl"]["p50"] == pytest.approx(1.25)
@@ -85,11 +86,11 @@ def test_workload_arrivals_and_decode_length():
         None, 1000, 3, 2, (5, 9), (40, 60), seed=1)[0]]
     assert all(5 <= len(p) <= 9 for p in short) and all(40 <= len(p) <= 60 for p in long)
     assert all(10 <= t < 1000 for p in short + long for t in p)
-    work = make_workload(short, long, gap=0.5, decode_step=0.04, long_tokens=4, max_seq_len=512)
+    work = chunked_workload(short, long, gap=0.5, decode_step=0.04, long_tokens=4, max_seq_len=512)
     assert work.arrivals == [0.0, 0.0, 0.0, 0.5, 1.0]
     assert work.output_lens == [math.ceil(3 * 0.5 / 0.04)] * 3 + [4, 4]
     assert work.ids("long") == ["3", "4"]
-    capped = make_workload(short, long, 0.5, 0.001, 4, max_seq_len=100)
+    capped = chunked_workload(short, long, 0.5, 0.001, 4, max_seq_len=100)
     assert [len(p) + n for p, n in zip(capped.prompts[:3], capped.output_lens)] == [100] * 3
     with pytest.raises(ValueError, match="long_range"):
         workload_prompts(None, 1000, 3, 2, (5, 9), (60, 40))

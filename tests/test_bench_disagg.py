@@ -5,12 +5,13 @@ import pytest
 
 from minillm.bench.disagg import summarise, transfer_summary
 from minillm.cli import build_parser
+from minillm.driver import RequestRecord
 
 
 def test_summary_counts_only_requests_meeting_both_slos():
-    rec = [{"arrival": 0.0, "first": 0.5, "finish": 1.5, "tokens": 11},    # TPOT 0.1: ok
-           {"arrival": 1.0, "first": 4.0, "finish": 5.0, "tokens": 11},    # TTFT 3 s: late
-           {"arrival": 2.0, "first": 2.2, "finish": 8.2, "tokens": 11}]    # TPOT 0.6: slow
+    rec = [RequestRecord("0", 0.0, 4, 0.5, 1.5, 11),     # TPOT 0.1: ok
+           RequestRecord("1", 1.0, 4, 4.0, 5.0, 11),     # TTFT 3 s: late
+           RequestRecord("2", 2.0, 4, 2.2, 8.2, 11)]     # TPOT 0.6: slow
     s = summarise(rec, slo_ttft=2.0, slo_tpot=0.2)
     assert s["attainment"] == pytest.approx(1 / 3)
     assert s["goodput"] == pytest.approx(1 / 8.2)
@@ -35,8 +36,8 @@ def test_the_cli_takes_the_options():
 
 
 def test_bench_prefix_workload_shares_its_system_prompts():
-    from minillm.bench.prefix import shared_prompt_workload
     from minillm.checkpoint.loader import smollm2_tokenizer
+    from minillm.workloads import shared_prompt_workload
 
     tok = smollm2_tokenizer()
     work = shared_prompt_workload(tok, 6, 120, num_systems=2)

@@ -6,12 +6,13 @@ import pytest
 
 from minillm.bench import prefix as bp
 from minillm.viz.bench import plot_prefix
+from minillm.workloads import shared_prompt_workload
 
 
 @pytest.fixture(scope="module")
 def tiers(tiny):
     model, tok = tiny
-    work = bp.shared_prompt_workload(tok, 8, 120, num_systems=4)
+    work = shared_prompt_workload(tok, 8, 120, num_systems=4)
     # 0.01 req/s: each request ends before the next arrives, so hits do not hang on timing
     return bp.run_tiers(model, tok, work, 0.01, 0, {"max_num_seqs": 8}, device_blocks=20,
                         chunk_tokens=32)

@@ -20,7 +20,7 @@ from minillm.bench.serve import (  # noqa: E402
     sse_events,
     summarise,
 )
-from minillm.course.placement import SLO  # noqa: E402
+from minillm.serving_metrics import SLO  # noqa: E402
 
 NUM, OUT_MAX = 8, 6
 

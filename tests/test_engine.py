@@ -299,8 +299,9 @@ def test_throughput_bench_counts_every_requested_token(tmp_path):
     """The benchmark's plumbing on the tiny model with HF as the peer (same weights): the
     engine generated exactly the output tokens of the workload, as drawn again here from the
     same seed, and computed each prompt and output token once (no preemption)."""
-    from minillm.bench.throughput import make_workload, run_throughput_bench, throughput_table
+    from minillm.bench.throughput import run_throughput_bench, throughput_table
     from minillm.viz.bench import plot_throughput
+    from minillm.workloads import make_workload
 
     report = run_throughput_bench("tiny", num_requests=4, dtype="float32", device="cpu",
                                   hf_batch=2, peers=("hf",), prompt_range=(4, 12),

@@ -225,13 +225,11 @@ class FixedVerdict:
     def __init__(self, path: list[int], bonus: int) -> None:
         self.path, self.bonus = path, bonus
 
-    def propose(self, inputs, hidden):
-        return [None] * len(inputs)
+    def propose(self, plan, out, done):
+        return {}
 
     def verify(self, seq, draft, logits, params, generator):
         return self.path, self.bonus
-
-    def fork(self, parent_id, child_id) -> None: ...
 
     def release(self, seq_id) -> None: ...
 

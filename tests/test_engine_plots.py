@@ -11,11 +11,12 @@ matplotlib.use("Agg")
 
 import minillm  # noqa: E402
 from minillm import SamplingParams  # noqa: E402
-from minillm.bench.throughput import make_workload  # noqa: E402
+from minillm import workloads as WL  # noqa: E402
 from minillm.cache.block_manager import blocks_for  # noqa: E402
 from minillm.course import ch04_workload as W  # noqa: E402
 from minillm.engine import EngineConfig, LLMEngine  # noqa: E402
 from minillm.viz import ch04 as P  # noqa: E402
+from minillm.workloads import make_workload  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +30,20 @@ def engine(tiny, **options):
 
 def test_workloads_are_seeded_and_in_range(tiny):
     _, tok = tiny
-    a = W.sharegpt_like_workload(tok, 20, 30, 20, prompt_max=64, output_max=40, seed=3)
-    b = W.sharegpt_like_workload(tok, 20, 30, 20, prompt_max=64, output_max=40, seed=3)
+    a = WL.sharegpt_like_workload(tok, 20, 30, 20, prompt_max=64, output_max=40, seed=3)
+    b = WL.sharegpt_like_workload(tok, 20, 30, 20, prompt_max=64, output_max=40, seed=3)
     assert a == b
     assert all(4 <= len(p) <= 64 for p in a.prompts) and all(2 <= n <= 40 for n in a.output_lens)
-    t = W.poisson_arrivals(200, 5.0, seed=1)
+    t = WL.poisson_arrivals(200, 5.0, seed=1)
     assert t == sorted(t) and t[0] == 0 and 25 < t[-1] < 60   # about 200 / 5 s
-    assert W.poisson_arrivals(3, math.inf) == [0.0] * 3
-    assert W.offered_rate([0.0, 1.0, 4.0]) == 0.5 and W.offered_rate([0.0, 0.0]) == math.inf
+    assert WL.poisson_arrivals(3, math.inf) == [0.0] * 3
+    assert WL.offered_rate([0.0, 1.0, 4.0]) == 0.5 and WL.offered_rate([0.0, 0.0]) == math.inf
 
 
 def test_serve_records_match_engine(tiny):
     _, tok = tiny
     work = make_workload(tok, 5, (5, 30), (3, 9), seed=0)
-    run = W.serve(engine(tiny, max_num_seqs=2), work, arrivals=[0, 0, 0.5, 10, 10],
+    run = W.record_run(engine(tiny, max_num_seqs=2), work, arrivals=[0, 0, 0.5, 10, 10],
                   snapshots=True)
     assert [r.output_len for r in run.records] == work.output_lens
     assert all(r.first_token <= r.finished for r in run.records)
@@ -59,9 +60,9 @@ def test_serve_records_match_engine(tiny):
 
 def test_stop_at_and_reservation_waste(tiny):
     _, tok = tiny
-    work = W.sharegpt_like_workload(tok, 6, 20, 10, prompt_max=40, output_max=20, seed=0)
+    work = WL.sharegpt_like_workload(tok, 6, 20, 10, prompt_max=40, output_max=20, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    runs = {a: W.serve(engine(tiny, admission=a), work, params, stop_at=work.output_lens)
+    runs = {a: W.record_run(engine(tiny, admission=a), work, params, stop_at=work.output_lens)
             for a in ("paged", "reserve")}
     for run in runs.values():
         assert [r.output_len for r in run.records] == work.output_lens
@@ -74,11 +75,11 @@ def test_stop_at_and_reservation_waste(tiny):
 def test_recompute_counted(tiny):
     _, tok = tiny
     work = make_workload(tok, 6, (8, 40), (8, 12), seed=0)
-    run = W.serve(engine(tiny, num_kv_blocks=16, block_size=4, watermark=0), work)
+    run = W.record_run(engine(tiny, num_kv_blocks=16, block_size=4, watermark=0), work)
     assert sum(r.num_preemptions for r in run.records) > 0
     assert W.recomputed_tokens(run) > 0
-    swap = W.serve(engine(tiny, num_kv_blocks=16, block_size=4, watermark=0, preemption="swap"),
-                   work)
+    swap = W.record_run(engine(tiny, num_kv_blocks=16, block_size=4, watermark=0,
+                               preemption="swap"), work)
     assert sum(p.swap_out for p in swap.recorder.plans) > 0 and W.recomputed_tokens(swap) == 0
 
 
@@ -87,9 +88,9 @@ def test_plots_and_widget_build(tiny):
 
     _, tok = tiny
     work = make_workload(tok, 3, (10, 20), (3, 5), seed=0)
-    run = W.serve(engine(tiny), work, [SamplingParams(temperature=1.0, n=2, max_tokens=4, seed=0),
-                                       SamplingParams(beam_width=2, max_tokens=4),
-                                       SamplingParams(max_tokens=4)], snapshots=True)
+    params = [SamplingParams(temperature=1.0, n=2, max_tokens=4, seed=0),
+              SamplingParams(beam_width=2, max_tokens=4), SamplingParams(max_tokens=4)]
+    run = W.record_run(engine(tiny), work, params, snapshots=True)
     snaps = run.recorder.snapshots
     assert any(r > 1 for r in snaps[0].ref) and snaps[0].blocks_unshared > snaps[0].blocks_used
     figs = [P.plot_batch_timeline({"a": run, "b": run}, slots=4),

@@ -142,14 +142,12 @@ class BadDrafter:
     def __init__(self, bad_seq: set[int], vocab: int) -> None:
         self.bad_seq, self.vocab = bad_seq, vocab
 
-    def propose(self, inputs, hidden):
-        return [Draft.chain([5, self.vocab]) if i.seq.seq_id in self.bad_seq else None
-                for i in inputs]
+    def propose(self, plan, out, done):
+        return {s.seq_id: Draft.chain([5, self.vocab]) for r in plan.requests
+                for s in r.seqs if s.seq_id in self.bad_seq and not r.finished}
 
     def verify(self, seq, draft, logits, params, generator):
         raise AssertionError("no draft should reach verification")
-
-    def fork(self, parent_id, child_id) -> None: ...
 
     def release(self, seq_id) -> None: ...
 

@@ -6,7 +6,6 @@ import random
 
 from lab_checks import checker_tests
 
-from minillm.course.ch04_workload import poisson_arrivals as package_arrivals
 from minillm.labs import a3
 from minillm.labs.solutions.a3 import (
     goodput,
@@ -17,6 +16,7 @@ from minillm.labs.solutions.a3 import (
     poisson_arrivals,
 )
 from minillm.runtime import pad_to_captured as package_pad
+from minillm.workloads import poisson_arrivals as package_arrivals
 
 # --- plausible mistakes ----------------------------------------------------------------------
 

@@ -1,10 +1,11 @@
-"""The package's layering rule, and ``minillm.kernels`` from a plain checkout.
+"""The package's layers as a table of allowed package-to-package imports, and ``minillm.kernels``
+from a plain checkout.
 
-Core modules and the techniques built on them (parallelism, quantization, speculative decoding,
-disaggregation, the server, the runtimes) never import chapter material or tools (training is
-chapter material): they must work (and be read) without them. The check reads every import
-statement, at module level or inside a function, absolute or relative, and fails naming the
-file, the line and the module it reaches.
+The core never imports a technique, the techniques never import chapter material or tools, and
+no package import cycle exists, lazy imports (inside a function) included. The check reads every
+import statement, at module level or inside a function, absolute or relative, and fails naming
+the file, the line and the edge that is not in :data:`ALLOWED`, or the packages of a cycle. It
+plants a bad edge and a cycle in a copy of the package and must find both.
 """
 from __future__ import annotations
 
@@ -15,16 +16,68 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "minillm"
-CORE = ("model", "checkpoint", "attention", "cache", "engine", "sampling", "generate", "config",
-        "device", "evaluate", "runinfo")
-TECHNIQUES = ("parallel", "quant", "spec", "disagg", "serve", "runtime")
-CHAPTER_MATERIAL = ("course", "viz", "bench", "labs", "train", "cli")
+
+# The layers, bottom up (a unit is a package or a top-level module of minillm; two subpackages
+# are units of their own: training code that serving never imports, and the labs' solutions).
+CORE = ("config", "device", "runinfo", "sampling", "kernels", "attention", "model", "cache",
+        "checkpoint", "evaluate", "generate", "engine")
+TECHNIQUES = ("spec_decode", "spec_decode.training", "parallel", "disagg", "quant", "train",
+              "serve", "runtime")
+TOOLING = ("workloads", "serving_metrics", "driver")
+MATERIAL = ("course", "viz", "bench", "labs", "labs.solutions", "cli", "__main__", "minillm")
+
+# What each unit may import (besides itself). Anything else is a layering error.
+ALLOWED: dict[str, set[str]] = {
+    "config": set(),
+    "device": set(),
+    "runinfo": {"device"},
+    "sampling": {"config"},
+    "kernels": {"device"},
+    "attention": {"device", "kernels"},
+    "model": {"attention", "config", "kernels"},
+    "cache": {"attention", "config", "device", "model"},
+    "checkpoint": {"config", "device", "model"},
+    "evaluate": {"cache", "config", "model"},
+    "generate": {"cache", "config", "model", "sampling"},
+    "engine": {"attention", "cache", "checkpoint", "config", "device", "kernels", "model",
+               "sampling"},
+    # techniques: the core only (training also reads its package's weights module)
+    "spec_decode": {"attention", "cache", "config", "engine", "model"},
+    "spec_decode.training": {"checkpoint", "config", "engine", "model", "runinfo",
+                             "spec_decode"},
+    "parallel": {"attention", "checkpoint", "config", "device", "kernels", "model", "runinfo"},
+    "disagg": {"cache", "checkpoint", "config", "device", "engine", "runinfo"},
+    "quant": {"checkpoint", "device", "evaluate", "kernels"},
+    "train": {"config", "generate", "quant"},
+    "serve": {"checkpoint", "config", "device", "engine"},
+    "runtime": {"cache", "config", "device", "engine", "model", "sampling"},
+    # shared tooling: workloads, serving metrics, the driver
+    "workloads": {"evaluate"},
+    "serving_metrics": set(),
+    "driver": {"config", "engine", "serving_metrics", "workloads"},
+    # chapter material and tools
+    "course": {"attention", "cache", "config", "device", "driver", "engine", "model",
+               "serving_metrics", "workloads"},
+    "viz": {"cache", "config", "course", "device", "parallel", "sampling"},
+    "bench": {"cache", "checkpoint", "config", "device", "disagg", "driver", "engine",
+              "evaluate", "generate", "model", "quant", "runinfo", "runtime",
+              "serving_metrics", "spec_decode", "viz", "workloads"},
+    "labs": {"attention", "cache", "checkpoint", "config", "course", "device", "engine",
+             "evaluate", "model", "parallel", "quant", "runtime", "sampling",
+             "serving_metrics", "spec_decode", "train"},
+    "labs.solutions": {"cache", "checkpoint", "course", "device", "labs"},
+    "cli": {"bench", "checkpoint", "config", "generate", "serve"},
+    "__main__": {"cli"},
+    # the top: the public API, and the techniques that register themselves with the core
+    "minillm": {"checkpoint", "config", "engine", "model", "quant", "spec_decode"},
+}
 
 
 def module_name(path: Path) -> str:
@@ -53,31 +106,104 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def core_files(root: Path = PACKAGE, names: tuple[str, ...] = CORE) -> list[Path]:
-    files = []
-    for name in names:
-        files += sorted((root / name).rglob("*.py")) if (root / name).is_dir() \
-            else [root / f"{name}.py"]
-    return files
+def unit_of(module: str) -> str | None:
+    """The layering unit of a module of minillm (None outside it): minillm.engine.runner ->
+    engine; minillm.spec_decode.training.train -> spec_decode.training; minillm -> minillm."""
+    parts = module.split(".")
+    if parts[0] != "minillm":
+        return None
+    if len(parts) == 1:
+        return "minillm"
+    two = ".".join(parts[1:3])
+    return two if two in ALLOWED else parts[1]
+
+
+def import_edges(root: Path = PACKAGE) -> dict[tuple[str, str], list[str]]:
+    """(importer unit, imported unit) -> where: "file:line" of each import statement."""
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for path in sorted(root.rglob("*.py")):
+        here = unit_of(module_name(path))
+        for line, module in imported_modules(path):
+            there = unit_of(module)
+            if there is not None and there != here:
+                edges[here, there].append(f"{path.relative_to(ROOT)}:{line}")
+    return edges
 
 
 def layer_violations(root: Path = PACKAGE) -> list[str]:
-    forbidden = tuple(f"minillm.{m}" for m in CHAPTER_MATERIAL)
-    bad = []
-    for path in core_files(root, CORE + TECHNIQUES):
-        for line, module in imported_modules(path):
-            if module.startswith(forbidden) and module.split(".")[1] in CHAPTER_MATERIAL:
-                bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
-    return bad
+    """Every import whose edge the table does not allow."""
+    return [f"{where[0]}: {a} imports {b} (not in ALLOWED[{a!r}])"
+            for (a, b), where in import_edges(root).items() if b not in ALLOWED.get(a, set())]
 
 
-def test_every_layered_module_exists():
-    files = core_files(PACKAGE, CORE + TECHNIQUES)
-    assert all(p.is_file() for p in files), [p for p in files if not p.is_file()]
+def import_cycles(root: Path = PACKAGE) -> list[list[str]]:
+    """The package cycles of the import graph: its strongly connected components of two or
+    more units (Tarjan's algorithm)."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for a, b in import_edges(root):
+        graph[a].add(b)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(list(graph)):
+        if v not in index:
+            visit(v)
+    return cycles
 
 
-def test_core_never_imports_chapter_material_or_tools():
+def test_the_table_names_every_unit_in_its_layer():
+    layered = CORE + TECHNIQUES + TOOLING + MATERIAL
+    assert sorted(layered) == sorted(ALLOWED)
+    rank = {u: i for i, layer in enumerate((CORE, TECHNIQUES, TOOLING, MATERIAL)) for u in layer}
+    upward = [(a, b) for a, allowed in ALLOWED.items() for b in allowed
+              if rank[b] > rank[a] and a != "minillm"]
+    assert upward == [], "the table itself allows an import from a lower layer upwards"
+
+
+def test_every_unit_exists():
+    units = {unit_of(module_name(p)) for p in PACKAGE.rglob("*.py")} | {"kernels"}
+    assert set(ALLOWED) <= units, sorted(set(ALLOWED) - units)
+    assert units <= set(ALLOWED), f"add {sorted(units - set(ALLOWED))} to the table"
+
+
+def test_every_import_is_allowed():
     assert layer_violations() == []
+
+
+def test_no_import_cycles():
+    assert import_cycles() == []
+
+
+def _copy_with(tmp_path: Path, plants: dict[str, str], monkeypatch) -> Path:
+    """A copy of the package with ``plants[file]`` appended to each file."""
+    copy = tmp_path / "minillm"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "weights"))
+    for where, code in plants.items():
+        target = copy / where
+        target.write_text(target.read_text() + "\n" + code)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    return copy
 
 
 @pytest.mark.parametrize("planted", [
@@ -89,13 +215,17 @@ def test_core_never_imports_chapter_material_or_tools():
 def test_layer_check_sees_a_planted_import(planted, where, tmp_path, monkeypatch):
     """Plant a bad import in a copy of a core module and of a technique's: the check must
     name it."""
-    copy = tmp_path / "minillm"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    target = copy / where
-    target.write_text(target.read_text() + "\n" + planted)
-    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    bad = layer_violations(copy)
+    bad = layer_violations(_copy_with(tmp_path, {where: planted}, monkeypatch))
     assert len(bad) >= 1 and all(where in b for b in bad)
+
+
+def test_cycle_check_sees_a_planted_cycle(tmp_path, monkeypatch):
+    """Serving importing the drafters' training code lazily (training imports serving): the
+    edge is not allowed and it closes a cycle."""
+    plant = "def f():\n    from .training import train\n"
+    copy = _copy_with(tmp_path, {"spec_decode/speculator.py": plant}, monkeypatch)
+    assert import_cycles(copy) == [["spec_decode", "spec_decode.training"]]
+    assert any("spec_decode imports spec_decode.training" in b for b in layer_violations(copy))
 
 
 def _import_kernels_from_root(pythonpath: str | None = None) -> subprocess.CompletedProcess:

@@ -86,6 +86,28 @@ def test_a_waiting_request_holds_one_output_with_the_deltas_joined():
     assert engine.steps == 4
 
 
+def test_a_sink_gets_every_output_pushed_and_its_request_is_then_forgotten():
+    """The server's way in: outputs pushed to a sink as each step is filed, one per step
+    (never merged), the request forgotten after its last one; an inbox request beside it
+    still merges, and a sink request has no inbox to read."""
+    engine = ScriptedEngine()
+    proc = op.OutputProcessor(engine)
+    pushed: list[RequestOutput] = []
+    a = proc.watch(engine.add_request("a1 a2 a3"), sink=pushed.append)
+    b = proc.watch(engine.add_request("b1 b2 b3 b4"))
+    with pytest.raises(ValueError, match="inbox"):
+        proc.next_output(a)
+    for _ in range(3):
+        proc.deliver(engine.step())
+    assert [o.outputs[0].text_delta for o in pushed] == ["a1 ", "a2 ", "a3 "]
+    assert pushed[-1].finished and proc.watched == [b]
+    assert proc.next_output(b).outputs[0].text_delta == "b1 b2 b3 "
+    c = proc.watch(engine.add_request("c1 c2"), sink=pushed.append)
+    proc.forget([c])                      # a client gone: aborted, nothing more pushed
+    proc.deliver(engine.step())
+    assert engine.aborted == [c] and len(pushed) == 3
+
+
 def test_merge_joins_deltas_per_completion_and_leaves_the_new_output_alone():
     def output(deltas: list[str]) -> RequestOutput:
         cs = [CompletionOutput(i, "", [], None, None, d) for i, d in enumerate(deltas)]

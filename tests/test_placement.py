@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import minillm
-from minillm.bench.throughput import make_workload
 from minillm.course import placement as pl
-from minillm.course.ch04_workload import poisson_arrivals
+from minillm.workloads import make_workload, poisson_arrivals
 
 # a hand-made cost model: prefill p0 + p1 n + p2 n^2, decode d0 + d1 batch + d2 context (s);
 # a step mixing both costs the two parts less OVERLAP

@@ -242,7 +242,7 @@ def test_eviction_never_takes_a_referenced_block(ops):
 def test_bad_prefix_options_are_refused_by_name(tiny64):
     with pytest.raises(ValueError, match="prefix_cache"):
         EngineConfig(enable_prefix_caching=True, prefix_cache="lru")
-    from minillm.spec.speculator import build_speculator
+    from minillm.spec_decode.speculator import build_speculator
 
     model, tok = tiny64
     engine = cached_engine(model, tok, "hash", max_num_batched_tokens=512)

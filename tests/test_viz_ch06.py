@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from minillm.spec.trees import medusa_tree, tree_parents  # noqa: E402
+from minillm.spec_decode.trees import medusa_tree, tree_parents  # noqa: E402
 from minillm.viz import ch06  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from minillm.spec.trees import best_first_tree  # noqa: E402
+from minillm.spec_decode.trees import best_first_tree  # noqa: E402
 from minillm.viz import ch06b  # noqa: E402
 
 

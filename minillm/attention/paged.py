@@ -159,14 +159,19 @@ def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: l
                    block_size: int, device: torch.device,
                    masks: Sequence[torch.Tensor | None] | None = None,
                    q_per_kv: int = 1, buffers: StepBuffers | None = None,
-                   direct: bool = False) -> PagedMetadata:
+                   direct: bool = False, groups: bool = True) -> PagedMetadata:
     """Metadata for S sequences from their block tables and token counts (Python lists), in
     the order given (see :func:`batch_order`). ``masks[i]``: bool [q_lens[i], q_lens[i]] or
     None (causal); ``q_per_kv``: query heads per KV head (GQA); ``buffers``: write the tensors
     into these (:class:`StepBuffers`) instead of fresh ones; ``direct``: list every sequence
     without a tree mask in ``meta.direct`` (for a kernel that reads the blocks in place)
-    instead of padding it into a group or attending it on its own."""
+    instead of padding it into a group or attending it on its own. ``groups`` False: stop
+    after the per-sequence tensors (``groups``, ``singles`` empty, ``direct`` None), for a
+    backend that reads those alone, such as the Triton decode kernel of a captured decode
+    step (:mod:`minillm.engine.graphs`), and no host work on groups; no tree masks then."""
     masks = list(masks) if masks is not None else [None] * len(q_lens)
+    if not groups and any(m is not None for m in masks):
+        raise ValueError("masks need groups=True: a tree mask is attended in a padded group")
     for i, (m, n) in enumerate(zip(masks, q_lens)):
         if m is not None and tuple(m.shape) != (n, n):
             raise ValueError(f"masks[{i}] must be [q_len, q_len] = [{n}, {n}], "
@@ -191,6 +196,8 @@ def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: l
     meta = PagedMetadata(**filled, q_lens=list(q_lens), ctx_lens=list(ctx_lens),
                          starts=starts[:-1], block_size=block_size,
                          has_masks=any(m is not None for m in masks))
+    if not groups:
+        return meta
     pending: list[int] = []
     direct_seqs: list[int] = []
     for i, (c, n, m) in enumerate(zip(ctx_lens, q_lens, masks)):

@@ -16,7 +16,7 @@ is never faster than a pure decode step, so they run until past the last arrival
 policy).
 
 It is served on a *virtual clock* (the measured wall time of each step, idle gaps skipped, as
-:func:`minillm.course.ch04_workload.serve`) under ``prefill_first`` and ``decode_first`` (token
+:func:`minillm.driver.drive`) under ``prefill_first`` and ``decode_first`` (token
 budget: the longest request, so a whole prompt fits one step) and ``chunked`` at each budget of
 ``budgets`` (the scheduler's docstring explains the three). Per run: the inter-token latency
 (ITL: gaps between consecutive tokens of one request) of the running requests, pooled, at
@@ -43,7 +43,7 @@ import random
 import statistics
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -51,10 +51,13 @@ from ..cache.block_manager import blocks_for
 from ..checkpoint.loader import REAL_MODEL, load_model
 from ..config import SamplingParams
 from ..device import resolve_device, serving_dtype
+from ..driver import DriveResult, drive
 from ..engine import EngineConfig, LLMEngine
 from ..evaluate import sample_ids
 from ..runinfo import machine_info
-from .common import dtype_name, format_table, log_to_stderr, percentile, write_report
+from ..serving_metrics import percentile
+from ..workloads import Workload
+from .common import dtype_name, format_table, log_to_stderr, write_report
 
 BUDGETS = (256, 512)           # chunked prefill's token budgets per step
 POLICIES = ("prefill_first", "decode_first", "chunked")
@@ -86,7 +89,7 @@ def itl_stats(token_times: Iterable[Sequence[float]]) -> dict:
             "count": len(gaps), "quantiles": [percentile(gaps, q) for q in range(101)]}
 
 
-def spread(values: Sequence[float]) -> dict:
+def p50_p90_max(values: Sequence[float]) -> dict:
     """p50, p90 and max of ``values`` (seconds)."""
     return {"p50": percentile(values, 50), "p90": percentile(values, 90), "max": max(values)}
 
@@ -94,12 +97,10 @@ def spread(values: Sequence[float]) -> dict:
 # ----------------------------------------------------------------------------- the workload
 
 @dataclass(frozen=True)
-class ChunkedWorkload:
-    """Prompts (token ids), output tokens and arrival times (s, virtual clock) per request;
-    ``kinds[i]`` is "decode" (a running request) or "long" (a long prompt)."""
+class ChunkedWorkload(Workload):
+    """A :class:`~minillm.workloads.Workload` with arrival times (s, virtual clock) per
+    request; ``kinds[i]`` is "decode" (a running request) or "long" (a long prompt)."""
 
-    prompts: list[list[int]]
-    output_lens: list[int]
     arrivals: list[float]
     kinds: list[str]
 
@@ -170,7 +171,7 @@ def workload_prompts(tok, vocab_size: int, num_decodes: int, num_long: int,
     return prompts[:num_decodes], prompts[num_decodes:]
 
 
-def make_workload(decode_prompts: list[list[int]], long_prompts: list[list[int]], gap: float,
+def chunked_workload(decode_prompts: list[list[int]], long_prompts: list[list[int]], gap: float,
                   decode_step: float, long_tokens: int, max_seq_len: int) -> ChunkedWorkload:
     """The running requests arrive at 0 and decode ``(num_long + 1) * gap / decode_step``
     tokens (capped by ``max_seq_len``); long prompt i arrives at ``(i + 1) * gap`` seconds and
@@ -190,55 +191,10 @@ def make_workload(decode_prompts: list[list[int]], long_prompts: list[list[int]]
 
 # ----------------------------------------------------------------------------- the driver
 
-@dataclass
-class TimedRun:
-    """One run on the virtual clock: per request id the time (s) of each of its tokens and
-    the tokens; per step (virtual start, end, prefill tokens, decode tokens, requests)."""
-
-    token_times: dict[str, list[float]]
-    token_ids: dict[str, list[int]]
-    timeline: list[tuple[float, float, int, int, int]] = field(default_factory=list)
-    preemptions: int = 0
-
-    @property
-    def makespan(self) -> float:
-        """From the first arrival (0) to the last token, seconds."""
-        return max(t[-1] for t in self.token_times.values() if t)
-
-
-def drive(engine: LLMEngine, work: ChunkedWorkload) -> TimedRun:
-    """Serve ``work`` on a virtual clock: add every request whose arrival has passed, step,
-    advance the clock by the step's wall time (or jump to the next arrival when nothing
-    runs); every new token is stamped with the clock at the end of its step."""
-    n = len(work.prompts)
-    order = sorted(range(n), key=lambda i: work.arrivals[i])
-    run = TimedRun({str(i): [] for i in range(n)}, {str(i): [] for i in range(n)})
-    clock, nxt = 0.0, 0
-    while nxt < n or engine.has_unfinished():
-        while nxt < n and work.arrivals[order[nxt]] <= clock:
-            i = order[nxt]
-            engine.add_request(work.prompts[i], SamplingParams(
-                temperature=0.0, max_tokens=work.output_lens[i], ignore_eos=True),
-                request_id=str(i))
-            nxt += 1
-        if not engine.has_unfinished():
-            clock = work.arrivals[order[nxt]]
-            continue
-        steps = engine.num_steps
-        t0 = time.perf_counter()
-        outs = engine.step()
-        start, clock = clock, clock + time.perf_counter() - t0
-        if engine.num_steps > steps:
-            rec = engine.trace[-1]
-            run.timeline.append((start, clock, rec.prefill_tokens, rec.decode_tokens,
-                                 len(rec.request_ids)))
-        for out in outs:
-            new = out.token_ids[len(run.token_ids[out.request_id]):]
-            run.token_ids[out.request_id] += new
-            run.token_times[out.request_id] += [clock] * len(new)
-            if out.finished:
-                run.preemptions += out.metrics.num_preemptions
-    return run
+def run_policy(engine: LLMEngine, work: ChunkedWorkload) -> DriveResult:
+    """Serve ``work`` on the virtual clock (:func:`minillm.driver.drive`): every new token is
+    stamped with the clock at the end of its step."""
+    return drive(engine, work, arrivals=work.arrivals)
 
 
 def engine_for(model, tok, policy: str, budget: int, work: ChunkedWorkload) -> LLMEngine:
@@ -248,12 +204,12 @@ def engine_for(model, tok, policy: str, budget: int, work: ChunkedWorkload) -> L
         block_size=BLOCK_SIZE, num_kv_blocks=work.num_kv_blocks))
 
 
-def summarize(work: ChunkedWorkload, run: TimedRun) -> dict:
+def summarize(work: ChunkedWorkload, run: DriveResult) -> dict:
     """The measurements of the module docstring for one run (seconds, tokens/s)."""
     decodes, longs = work.ids("decode"), work.ids("long")
     requests = []
     for i, kind in enumerate(work.kinds):
-        times = run.token_times[str(i)]
+        times = run.records[i].token_times
         requests.append({"id": str(i), "kind": kind, "prompt_len": len(work.prompts[i]),
                          "output_len": len(times), "arrival": work.arrivals[i],
                          "ttft": times[0] - work.arrivals[i],
@@ -265,18 +221,21 @@ def summarize(work: ChunkedWorkload, run: TimedRun) -> dict:
         vals = [by_id[i]["tpot"] for i in ids if by_id[i]["tpot"] is not None]
         return statistics.fmean(vals) if vals else None
 
-    out_tokens = sum(len(run.token_times[str(i)]) for i in range(len(work.prompts)))
+    times = {r.request_id: r.token_times for r in run.records}
+    out_tokens = sum(map(len, times.values()))
     prompt_tokens = sum(map(len, work.prompts))
-    span = run.makespan
-    return {"itl": itl_stats(run.token_times[i] for i in decodes),
-            "ttft_long": spread([by_id[i]["ttft"] for i in longs]),
+    span = max(t[-1] for t in times.values() if t)
+    return {"itl": itl_stats(times[i] for i in decodes),
+            "ttft_long": p50_p90_max([by_id[i]["ttft"] for i in longs]),
             "tpot_decode_mean": mean_tpot(decodes), "tpot_long_mean": mean_tpot(longs),
             "makespan_s": span, "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
             "output_tok_s": out_tokens / span, "total_tok_s": (out_tokens + prompt_tokens) / span,
-            "steps": len(run.timeline), "preemptions": run.preemptions,
+            "steps": len(run.timeline),
+            "preemptions": sum(r.num_preemptions for r in run.records),
             "requests": requests,
-            "timeline": [{"start": round(s, 6), "end": round(e, 6), "prefill": p, "decode": d,
-                          "requests": r} for s, e, p, d, r in run.timeline]}
+            "timeline": [{"start": round(t.start, 6), "end": round(t.end, 6),
+                          "prefill": t.prefill_tokens, "decode": t.decode_tokens,
+                          "requests": t.num_requests} for t in run.timeline]}
 
 
 def calibrate(model, tok, decode_prompts: list[list[int]], long_prompt: list[int],
@@ -335,7 +294,7 @@ def policy_runs(model, tok, work: ChunkedWorkload, budgets: Sequence[int], repea
             label = policy if policy != "chunked" else f"chunked {budget}"
             engine = engine_for(model, tok, policy, budget, work)
             row = {"label": label, "policy": policy, "budget": budget,
-                   **summarize(work, drive(engine, work))}
+                   **summarize(work, run_policy(engine, work))}
             del engine
             row["decode_step_p50_s"] = decode_step_p50(row, num_decodes)
             tries.setdefault(label, []).append(
@@ -365,8 +324,8 @@ def same_outputs_check(model, tok, decode_prompts: list[list[int]], long_prompt:
     ids = {}
     for policy, budget in plans:
         label = policy if policy != "chunked" else f"chunked {budget}"
-        run = drive(engine_for(model, tok, policy, budget, work), work)
-        ids[label] = [run.token_ids[str(i)] for i in range(len(work.prompts))]
+        run = run_policy(engine_for(model, tok, policy, budget, work), work)
+        ids[label] = [r.token_ids for r in run.records]
     first = next(iter(ids.values()))
     return {"same_outputs": all(v == first for v in ids.values()),
             "differ": [k for k, v in ids.items() if v != first],
@@ -419,7 +378,7 @@ def run_chunked(model, tok, budgets: Sequence[int] = BUDGETS, num_decodes: int =
     decode_step, prefill = calibrate(model, tok, short, median_long,
                                      max(map(len, long)) + long_tokens)
     gap = prefill + gap_steps * decode_step
-    work = make_workload(short, long, gap, decode_step, long_tokens, cfg.max_seq_len)
+    work = chunked_workload(short, long, gap, decode_step, long_tokens, cfg.max_seq_len)
     log(f"calibration: decode step {1e3 * decode_step:.1f} ms ({num_decodes} requests), "
         f"{len(median_long)}-token prefill {1e3 * prefill:.0f} ms -> a long prompt every "
         f"{gap:.2f} s, {work.output_lens[0]} tokens per running request")
@@ -553,7 +512,7 @@ def main(args: argparse.Namespace) -> int:
     return write_report(args, report, chunked_table(report), plot_chunked)
 
 
-__all__ = ["BUDGETS", "ChunkedWorkload", "TimedRun", "calibrate", "chunked_table", "drive",
-           "inter_token_latencies", "itl_stats", "make_prompts", "make_workload", "percentile",
-           "policy_runs", "ratios", "run_chunked", "run_chunked_bench", "same_outputs_check",
+__all__ = ["BUDGETS", "ChunkedWorkload", "calibrate", "chunked_table", "chunked_workload",
+           "inter_token_latencies", "itl_stats", "make_prompts", "p50_p90_max", "policy_runs",
+           "ratios", "run_chunked", "run_chunked_bench", "run_policy", "same_outputs_check",
            "summarize", "workload_prompts"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import math
 import re
 import statistics
 import sys
@@ -238,20 +237,6 @@ def format_table(columns: Sequence[tuple[str, str]], rows: Iterable[Sequence]) -
             for row in rows]
     lines.append("-" * max(len(line) for line in lines + body))
     return "\n".join(lines + body)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (q in [0, 100]) of ``values``, linear between the two closest
-    ranks (numpy's default method)."""
-    if not values:
-        raise ValueError("values must not be empty")
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 # ----------------------------------------------------------------------------- command line

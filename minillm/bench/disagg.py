@@ -14,61 +14,41 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 
-from ..config import SamplingParams
-from ..course.ch04_workload import poisson_arrivals, sharegpt_like_workload
 from ..device import serving_dtype
+from ..driver import RequestRecord, drive
 from ..runinfo import machine_info
-from .common import format_table, percentile, use_threads, write_report
+from ..serving_metrics import SLO, percentile
+from ..workloads import Workload, poisson_arrivals, sharegpt_like_workload
+from .common import format_table, use_threads, write_report
 
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.2
 
 
-def drive(server, prompts: list[list[int]], output_lens: list[int], arrivals: list[float]
-          ) -> list[dict]:
-    """Submit request i at ``arrivals[i]`` s after the start (wall clock) to ``server`` (an
-    object with add_request / step / has_unfinished: ``minillm.LLM`` or ``DisaggLLM``) and
-    step it until all are done; per request: arrival, first token and finish times (s after
-    the start) and the output length."""
-    start, nxt = time.perf_counter(), 0
-    rec = [{"arrival": a, "first": None, "finish": None, "tokens": 0} for a in arrivals]
-    ids: dict[str, int] = {}
-    while nxt < len(prompts) or server.has_unfinished():
-        now = time.perf_counter() - start
-        while nxt < len(prompts) and arrivals[nxt] <= now:
-            params = SamplingParams(temperature=0.0, max_tokens=output_lens[nxt],
-                                    ignore_eos=True)
-            ids[server.add_request(prompts[nxt], params, request_id=str(nxt))] = nxt
-            nxt += 1
-        if not server.has_unfinished():
-            time.sleep(max(0.0, arrivals[nxt] - now))
-            continue
-        for out in server.step():
-            r, t = rec[ids[out.request_id]], time.perf_counter() - start
-            if out.token_ids and r["first"] is None:
-                r["first"] = t
-            r["tokens"] = len(out.token_ids)
-            if out.finished:
-                r["finish"] = t
-    return rec
-
-
-def summarise(rec: list[dict], slo_ttft: float, slo_tpot: float) -> dict:
-    """Percentiles of TTFT and TPOT (s), SLO attainment, goodput (req/s), tokens/s."""
-    ttft = [r["first"] - r["arrival"] for r in rec]
-    tpot = [(r["finish"] - r["first"]) / max(1, r["tokens"] - 1) for r in rec]
-    ok = sum(r["first"] - r["arrival"] <= slo_ttft and
-             (r["finish"] - r["first"]) / max(1, r["tokens"] - 1) <= slo_tpot for r in rec)
-    span = max(r["finish"] for r in rec) - min(r["arrival"] for r in rec)
+def summarise(records: list[RequestRecord], slo_ttft: float, slo_tpot: float) -> dict:
+    """Percentiles of TTFT and TPOT (s), SLO attainment, the requests meeting both SLOs per
+    second of the run (req/s, reported as ``goodput``), tokens/s."""
+    ttft, tpot = [r.ttft for r in records], [r.tpot for r in records]
+    slo = SLO(slo_ttft, slo_tpot)
+    ok = sum(slo.met(a, b) for a, b in zip(ttft, tpot))
+    span = max(r.finished for r in records) - min(r.arrival for r in records)
     return {"ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_mean":
             statistics.fmean(ttft), "tpot_p50": percentile(tpot, 50),
             "tpot_p90": percentile(tpot, 90),
-            "tpot_mean": statistics.fmean(tpot), "attainment": ok / len(rec),
-            "goodput": ok / span, "output_tok_s": sum(r["tokens"] for r in rec) / span,
+            "tpot_mean": statistics.fmean(tpot), "attainment": ok / len(records),
+            "goodput": ok / span, "output_tok_s": sum(r.output_len for r in records) / span,
             "makespan": span}
+
+
+def serve_wall(server, work: Workload, arrivals: list[float]) -> list[RequestRecord]:
+    """A warm-up of two short requests, then ``work`` at ``arrivals`` on the wall clock
+    (:func:`minillm.driver.drive`); the per-request records."""
+    drive(server, Workload(work.prompts[:2], [4, 4]), clock="wall")
+    if hasattr(server, "transfers"):
+        server.transfers.clear()
+    return drive(server, work, arrivals=arrivals, clock="wall").records
 
 
 def transfer_summary(transfers: dict[str, dict]) -> dict:
@@ -112,17 +92,14 @@ def run_disagg_bench(model: str = "smollm2-135m", num_requests: int = 16, rate: 
               "prompt_lens": [len(p) for p in work.prompts], "output_lens": work.output_lens},
               "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot}, "options": opts, "runs": {}}
     llm = LLM(model, dtype=dtype, random_weights=random_weights, **opts)
-    drive(llm, work.prompts[:2], [4, 4], [0.0, 0.0])                  # warm-up
-    rec = drive(llm, work.prompts, work.output_lens, arrivals)
+    rec = serve_wall(llm, work, arrivals)
     report["runs"]["colocated"] = summarise(rec, slo_ttft, slo_tpot)
     del llm
     for name, layerwise in (("1P1D whole", False), ("1P1D layerwise", True)):
         with DisaggLLM(model, num_decode=1, layerwise=layerwise, dtype=dtype,
                        random_weights=random_weights, threads=max(1, threads // 2),
                        **opts) as pair:
-            drive(pair, work.prompts[:2], [4, 4], [0.0, 0.0])
-            pair.transfers.clear()
-            rec = drive(pair, work.prompts, work.output_lens, arrivals)
+            rec = serve_wall(pair, work, arrivals)
             report["runs"][name] = {**summarise(rec, slo_ttft, slo_tpot),
                                     **transfer_summary(pair.transfers)}
         load.append(os.getloadavg()[0])

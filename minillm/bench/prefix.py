@@ -1,6 +1,6 @@
 """Prefix caching (``python -m minillm bench prefix``; chapter 08).
 
-Three workloads on the real model, each served by :func:`minillm.course.ch04_workload.serve`
+Three workloads on the real model, each served by :func:`minillm.driver.drive`
 (Poisson arrivals on a virtual clock of measured step times):
 
 - **shared system prompt**: ``num_requests`` requests, one system prompt of ``system_tokens``
@@ -37,39 +37,19 @@ import tempfile
 import torch
 
 from ..cache.pool import block_bytes
-from ..course.ch04_workload import poisson_arrivals, serve
+from ..driver import drive
 from ..engine import EngineConfig, LLMEngine
 from ..evaluate import sample_text
 from ..runinfo import machine_info
-from .common import format_table, percentile, use_threads, write_report
-from .throughput import Workload
-
-QUESTIONS = ["What is the main idea?", "Summarise the second sentence.", "Who is speaking?",
-             "List three keywords.", "What happens next?", "Is the tone formal?",
-             "Translate the first line into French.", "What would you ask the author?"]
-
-
-def shared_prompt_workload(tok, num_requests: int, system_tokens: int, seed: int = 0,
-                           num_systems: int = 1) -> Workload:
-    """System prompts of about ``system_tokens`` tokens (request i gets number
-    i % num_systems), a different question each."""
-    text = tok.encode(sample_text(num_systems * system_tokens + 64, tok))
-    systems = [tok.decode(text[j * system_tokens:(j + 1) * system_tokens])
-               for j in range(num_systems)]
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(num_requests):
-        q = f"Question {i}: {rng.choice(QUESTIONS)}"
-        prompts.append(tok.encode(tok.apply_chat_template(
-            [{"role": "system", "content": systems[i % num_systems]},
-             {"role": "user", "content": q}], add_generation_prompt=True)))
-    return Workload(prompts, [16] * num_requests)
+from ..serving_metrics import percentile
+from ..workloads import QUESTIONS, Workload, poisson_arrivals, shared_prompt_workload
+from .common import format_table, use_threads, write_report
 
 
 def run(model, tok, work: Workload, rate: float, seed: int, **options) -> dict:
     """Serve ``work`` at ``rate`` req/s; TTFT stats (s), throughput, prefix hit rate."""
     engine = LLMEngine(model, tok, EngineConfig(**options))
-    res = serve(engine, work, arrivals=poisson_arrivals(len(work.prompts), rate, seed))
+    res = drive(engine, work, arrivals=poisson_arrivals(len(work.prompts), rate, seed))
     ttft = [r.ttft for r in res.records]
     out = {"ttft_mean": statistics.fmean(ttft), "ttft_p50": percentile(ttft, 50),
            "ttft_p90": percentile(ttft, 90), "output_tok_s": res.throughput,
@@ -101,7 +81,7 @@ def multi_turn(model, tok, users: int, turns: int, kind: str | None, seed: int =
         for conv in convs:
             conv.append({"role": "user", "content": rng.choice(QUESTIONS)})
             prompts.append(tok.encode(tok.apply_chat_template(conv, add_generation_prompt=True)))
-        res = serve(engine, Workload(prompts, [24] * users))
+        res = drive(engine, Workload(prompts, [24] * users))
         ttfts += [r.ttft for r in res.records]
         for conv, r in zip(convs, res.records):
             conv.append({"role": "assistant", "content": tok.decode(r.token_ids)})

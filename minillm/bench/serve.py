@@ -8,11 +8,11 @@ sent at its arrival time whatever the state of the others (an open loop), stream
 ``/v1/completions`` at temperature 0 with ``max_tokens`` = its output length and EOS ignored
 (``ignore_eos``, vLLM's extension, for minillm; ``min_tokens`` for llama.cpp), and timed on the
 client: TTFT (send to first token chunk), ITLs (gaps between token chunks), TPOT ((end - first
-token) / (tokens - 1), :func:`minillm.course.placement.tpot`), end-to-end latency.
+token) / (tokens - 1), :func:`minillm.serving_metrics.tpot`), end-to-end latency.
 
 Per rate: p50/p90/p99 of each, output tokens/s over the run, failed requests, SLO attainment
-and goodput (requests meeting both SLOs, :class:`minillm.course.placement.SLO`, per second);
-per server, DistServe's goodput rate (:func:`~minillm.course.placement.goodput_of`, the highest
+and goodput (requests meeting both SLOs, :class:`minillm.serving_metrics.SLO`, per second);
+per server, DistServe's goodput rate (:func:`~minillm.serving_metrics.goodput_of`, the highest
 rate whose attainment is at least 90%). After each rate minillm's ``/metrics`` must show every KV
 block free (recorded). The peers: llama.cpp's OpenAI server (``llama_cpp.server`` from
 llama-cpp-python, the same GGUF file, the same threads; it runs one request at a time), and
@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from ..course.ch04_workload import poisson_arrivals, sharegpt_like_workload
-from ..course.placement import SLO, goodput_of, tpot
 from ..runinfo import available_cores, free_port, machine_info
-from .common import format_table, log_to_stderr, percentile, write_report
+from ..serving_metrics import SLO, goodput_of, spread, tpot
+from ..workloads import poisson_arrivals, sharegpt_like_workload
+from .common import format_table, log_to_stderr, write_report
 from .disagg import SLO_TPOT_S, SLO_TTFT_S
 from .vllm_peer import vllm_missing, vllm_spec, vllm_version
 
@@ -160,14 +160,6 @@ def completion_body(prompt: str, max_tokens: int, extra: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- summaries
-
-def spread(values: Sequence[float], prefix: str) -> dict[str, float | None]:
-    """``{prefix}_p50/p90/p99/mean`` of ``values`` (None when there are none)."""
-    out: dict[str, float | None] = {f"{prefix}_p{q}": percentile(values, q) if values else None
-                                    for q in (50, 90, 99)}
-    out[f"{prefix}_mean"] = sum(values) / len(values) if values else None
-    return out
-
 
 def summarise(results: Sequence[RequestResult], slo: SLO) -> dict:
     """Percentiles of TTFT, TPOT, ITL and end-to-end latency (s), throughput, failures,

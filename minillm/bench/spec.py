@@ -1,7 +1,7 @@
 """The speculative decoding benchmark (``python -m minillm bench spec``), chapter 06.
 
 One target (SmolLM2), greedy, the same engine with and without a speculator. Prompts of three
-kinds, held out from the drafters' training (:func:`minillm.spec.prompts.benchmark_prompts`),
+kinds, held out from the drafters' training (:func:`minillm.spec_decode.prompts.benchmark_prompts`),
 in the chat template: ``chat`` questions, ``grounded`` tasks (summarise, rewrite or extract from
 a given passage, code edits) and ``free`` writing. Per method:
 
@@ -36,9 +36,9 @@ from ..config import SamplingParams
 from ..device import resolve_device, serving_dtype
 from ..engine import EngineConfig, LLMEngine
 from ..runinfo import machine_info
-from ..spec.config import BLOCK_METHODS, MAX_TOKENS
-from ..spec.prompts import KINDS, benchmark_prompts
-from ..spec.speculator import SpecStats, build_speculator
+from ..spec_decode.config import BLOCK_METHODS, MAX_TOKENS
+from ..spec_decode.prompts import KINDS, benchmark_prompts
+from ..spec_decode.speculator import SpecStats, build_speculator
 from .common import dtype_name, format_table, log_to_stderr, write_report
 
 METHODS = ("ngram", "draft_model", "medusa", "eagle", "mtp")      # part I (chapter 06)
@@ -94,12 +94,12 @@ def make_engine(model, tok, method: str | None, k: int, max_seqs: int, *,
 
 def warm_up(engine: LLMEngine, prompt: list[int]) -> None:
     """One short request (first-call costs out of the way), then fresh speculation counters."""
-    drive(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=8), 1)
+    run_in_batches(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=8), 1)
     if engine.speculator is not None:
         engine.speculator.stats = SpecStats()     # count the measured requests only
 
 
-def drive(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+def run_in_batches(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
           batch: int) -> tuple[float, int]:
     """Run ``prompts`` ``batch`` at a time (1: one after another); (seconds, output tokens)."""
     start, tokens = time.perf_counter(), 0
@@ -121,7 +121,7 @@ def measure(model, tok, method: str | None, k: int, kind: str, prompts: list[lis
     engine = make_engine(model, tok, method, k, max(batch, 1), extra=extra, drafter=drafter)
     warm_up(engine, prompts[0])
     spec = engine.speculator
-    seconds, tokens = drive(engine, prompts, params, batch)
+    seconds, tokens = run_in_batches(engine, prompts, params, batch)
     s = spec.stats if spec is not None else None
     return Run(method or "none", k, kind, batch, seconds, tokens,
                s.acceptance_by_position if s else [], s.mean_accepted if s else 1.0,

@@ -11,7 +11,7 @@ the three kinds taking turns (chat template), each with ``max_tokens`` output to
   lookup's misses verify fewer). The requests run all at once: acceptance does not depend on
   the batch, only the time does.
 - **speedup against a request rate**: the requests arrive as a seeded Poisson process and are
-  served by :func:`minillm.course.ch04_workload.serve` (add every request whose arrival time
+  served by :func:`minillm.driver.drive` (add every request whose arrival time
   has passed, step the engine; when nothing runs, jump to the next arrival: a virtual clock
   that advances by each step's measured wall time, so idle gaps cost nothing), on the plain
   engine and on each method at its default k, DSpark twice (``verify_budget`` = max_num_seqs
@@ -31,14 +31,14 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from ..config import SamplingParams
-from ..course.ch04_workload import poisson_arrivals, serve
+from ..driver import drive
 from ..engine import LLMEngine
-from ..spec.config import MAX_TOKENS, TREE_METHODS
-from ..spec.prompts import KINDS
-from ..spec.speculator import SpecStats
+from ..spec_decode.config import MAX_TOKENS, TREE_METHODS
+from ..spec_decode.prompts import KINDS
+from ..spec_decode.speculator import SpecStats
+from ..workloads import Workload, poisson_arrivals
 from .common import format_table
 from .spec import DEFAULT_K, chat_prompts, make_engine, measure, warm_up
-from .throughput import Workload
 
 BUDGETS = (4, 8, 16)                  # draft tokens verified per sequence per round
 RATES = (0.5, 1.0, 2.0, 4.0, 8.0)     # requests / s
@@ -113,7 +113,7 @@ def serve_at_rate(engine: LLMEngine, prompts: list[list[int]], params: SamplingP
     if engine.speculator is not None:
         engine.speculator.stats = SpecStats()
     arrivals = poisson_arrivals(len(prompts), rate, seed)
-    run = serve(engine, Workload(prompts, [params.max_tokens] * len(prompts)), params, arrivals)
+    run = drive(engine, Workload(prompts, [params.max_tokens] * len(prompts)), params, arrivals)
     tpots = [(r.finished - r.first_token) / (r.output_len - 1) for r in run.records
              if r.output_len > 1]
     s = engine.speculator.stats if engine.speculator is not None else None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import time
 from dataclasses import asdict, dataclass
 
@@ -31,8 +30,8 @@ from ..checkpoint.loader import REAL_MODEL, load_model
 from ..config import SamplingParams
 from ..device import resolve_device, serving_dtype
 from ..engine import EngineConfig, LLMEngine
-from ..evaluate import sample_ids
 from ..runinfo import machine_info
+from ..workloads import Workload, make_workload
 from .common import (
     add_peers,
     dtype_name,
@@ -44,34 +43,6 @@ from .common import (
     timed,
     write_report,
 )
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def make_workload(tok, num_requests: int = 64, prompt_range=(32, 512), output_range=(32, 256),
-                  seed: int = 0) -> Workload:
-    """Seeded prompt and output lengths, uniform in the given ranges (inclusive). Prompts are
-    prose; with ``tok`` None (random-weight runs on a GPU) they are seeded random ids."""
-    rng = random.Random(seed)
-    if tok is None:
-        text = [rng.randrange(10, 49152) for _ in range(prompt_range[1] * 4)]
-    else:
-        text = sample_ids(prompt_range[1] * 4, tok)
-    prompts, outs = [], []
-    for _ in range(num_requests):
-        n = rng.randint(*prompt_range)
-        start = rng.randrange(0, len(text) - n)
-        prompts.append(text[start:start + n])
-        outs.append(rng.randint(*output_range))
-    return Workload(prompts, outs)
 
 
 @dataclass
@@ -332,4 +303,4 @@ def main(args: argparse.Namespace) -> int:
     return write_report(args, report, throughput_table(report), plot_throughput)
 
 
-__all__ = ["Workload", "make_workload", "run_throughput_bench", "throughput_table"]
+__all__ = ["run_throughput_bench", "throughput_table"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,6 +15,25 @@ from .safetensors import load_hf_checkpoint
 from .tokenizer import Tokenizer
 
 REAL_MODEL = "smollm2-135m"
+
+# (the methods it knows, quantize(model, method, tokenizer=...) -> model): minillm.quant
+# registers itself here when imported (import minillm does), so the core never imports it.
+Quantizer = Callable[..., Transformer]
+_quantizers: list[tuple[tuple[str, ...], Quantizer]] = []
+
+
+def register_quantizer(methods: tuple[str, ...], quantize: Quantizer) -> None:
+    """Make ``quantize`` the function ``load_model(quantization=...)`` calls for ``methods``."""
+    _quantizers[:] = [(tuple(methods), quantize)]
+
+
+def _quantizer(quantization: str) -> Quantizer:
+    """The registered quantizer, or ValueError naming ``quantization`` and the methods."""
+    methods, quantize = _quantizers[0] if _quantizers else ((), None)
+    if quantization not in methods:
+        raise ValueError(f"quantization must be None or one of {list(methods)}, "
+                         f"got {quantization!r}")
+    return quantize
 
 
 @functools.lru_cache(maxsize=2)
@@ -65,12 +85,7 @@ def load_model(name_or_path: str = REAL_MODEL, device: str | torch.device | None
     ``quantization``: one of :data:`minillm.quant.METHODS` ("int8", "int4", "gptq", "awq",
     "hqq", "q8_0", "q4_1", "q4_k") swaps the linears for packed quantized ones (vLLM's name).
     """
-    if quantization is not None:
-        from ..quant import METHODS
-
-        if quantization not in METHODS:
-            raise ValueError(f"quantization must be None or one of {list(METHODS)}, "
-                             f"got {quantization!r}")
+    quantize = _quantizer(quantization) if quantization is not None else None
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     path = Path(str(name_or_path))
@@ -94,8 +109,6 @@ def load_model(name_or_path: str = REAL_MODEL, device: str | torch.device | None
         model = random_model(cfg, seed)
         tok = smollm2_tokenizer() if cfg.vocab_size == PRESETS[REAL_MODEL].vocab_size else None
     model = model.to(device=dev, dtype=dt).eval().requires_grad_(False)
-    if quantization is not None:
-        from ..quant import quantize_model
-
-        model = quantize_model(model, quantization, tokenizer=tok)
+    if quantize is not None:
+        model = quantize(model, quantization, tokenizer=tok)
     return model, tok

@@ -1,78 +1,32 @@
-"""Workloads and a measuring driver for the engine experiments of chapter 04.
+"""Recorders and the load sweep for the engine experiments of chapter 04.
 
-- :func:`sharegpt_like_workload`: seeded lognormal prompt and output lengths (a *synthetic*
-  stand-in for ShareGPT's long-tailed conversation lengths), prompts cut from real prose;
-  :func:`minillm.bench.throughput.make_workload` is the uniform-length one.
-- :func:`poisson_arrivals`: arrival times of a Poisson process; :func:`offered_rate`, the rate
-  a list of arrivals actually offers.
+The workloads are :mod:`minillm.workloads`' and the driver :func:`minillm.driver.drive` (a
+virtual clock: it advances by the measured wall time of each engine step and jumps over idle
+gaps). This module adds what the chapter looks at:
+
 - :class:`Recorder`: subscribes to an :class:`~minillm.engine.LLMEngine`'s step hook to keep
   each step's plan (new tokens per request, block moves and their time) and a
-  :class:`MemorySnapshot` of the block tables (for memory maps and the explorer widget).
+  :class:`MemorySnapshot` of the block tables (for memory maps and the explorer widget);
+- :func:`record_run`: :func:`~minillm.driver.drive` with a :class:`Recorder` attached, giving a
+  :class:`RecordedRun` (KV waste, requests per step);
 - :class:`AttentionRecorder`: a paged attention backend, passed in through
   ``EngineConfig(attention_backend=...)``, that hands every call to another backend and keeps
-  what the first layer received in each step.
-- :func:`serve`: an arrival-driven loop over a *virtual clock*: the clock advances by the
-  measured wall time of each engine step and jumps over idle gaps (nobody waits for a request to
-  arrive), so a load sweep costs only the compute. ``stop_at`` ends a request at a given number
-  of tokens (its "EOS") while its SamplingParams still say a larger ``max_tokens``: that is what
-  a server reserving for max_tokens sees.
+  what the first layer received in each step;
+- :func:`load_sweep`: Poisson arrivals at multiples of a capacity, one fresh engine each.
 """
 from __future__ import annotations
 
-import math
-import random
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..attention.paged import PagedAttentionBackend, PagedMetadata, get_paged_backend
-from ..bench.throughput import Workload
 from ..config import SamplingParams
+from ..driver import DriveResult, drive
 from ..engine.engine import LLMEngine
 from ..engine.outputs import StepRecord
-from ..evaluate import sample_ids
-
-
-# ---- workloads -------------------------------------------------------------------------------
-def lognormal_lengths(n: int, median: float, sigma: float, low: int, high: int,
-                      rng: random.Random) -> list[int]:
-    """``n`` integers from a lognormal with the given median and log-space sigma, clipped."""
-    mu = math.log(median)
-    return [min(high, max(low, round(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
-
-
-def sharegpt_like_workload(tok, num_requests: int, prompt_median: float = 64,
-                           output_median: float = 48, sigma: float = 0.8,
-                           prompt_max: int = 256, output_max: int = 192,
-                           seed: int = 0) -> Workload:
-    """Synthetic long-tailed lengths (lognormal, like ShareGPT's), seeded; prompts are
-    windows of English prose from :func:`minillm.evaluate.sample_ids`."""
-    rng = random.Random(seed)
-    p_lens = lognormal_lengths(num_requests, prompt_median, sigma, 4, prompt_max, rng)
-    o_lens = lognormal_lengths(num_requests, output_median, sigma, 2, output_max, rng)
-    text = sample_ids(4 * prompt_max, tok)
-    starts = [rng.randrange(0, len(text) - n) for n in p_lens]
-    return Workload([text[s:s + n] for s, n in zip(starts, p_lens)], o_lens)
-
-
-def poisson_arrivals(num_requests: int, rate: float, seed: int = 0) -> list[float]:
-    """Arrival times (s) of a Poisson process of ``rate`` requests/s; rate inf: all at 0."""
-    if rate == math.inf:
-        return [0.0] * num_requests
-    rng = random.Random(seed)
-    t, times = 0.0, []
-    for _ in range(num_requests):
-        times.append(t)
-        t += rng.expovariate(rate)
-    return times
-
-
-def offered_rate(arrivals: list[float]) -> float:
-    """Requests/s a list of arrival times offers: (n - 1) gaps over the span they cover."""
-    span = max(arrivals) - min(arrivals)
-    return (len(arrivals) - 1) / span if span > 0 else math.inf
+from ..workloads import Workload, offered_rate, poisson_arrivals
 
 
 # ---- recording -------------------------------------------------------------------------------
@@ -181,65 +135,19 @@ class AttentionRecorder:
         return out
 
 
-# ---- the driver ------------------------------------------------------------------------------
+# ---- a recorded run ----------------------------------------------------------------------------
 @dataclass
-class RequestRecord:
-    request_id: str
-    arrival: float
-    prompt_len: int
-    first_token: float | None = None
-    finished: float | None = None
-    output_len: int = 0
-    num_preemptions: int = 0
-    token_ids: list[int] = field(default_factory=list)   # the first completion's, so far
+class RecordedRun(DriveResult):
+    """A :class:`~minillm.driver.DriveResult` with the :class:`Recorder` that watched it and
+    the engine's pool size."""
 
-    @property
-    def ttft(self) -> float:
-        return self.first_token - self.arrival
-
-    @property
-    def e2e(self) -> float:
-        return self.finished - self.arrival
-
-
-@dataclass
-class RunResult:
-    """One run of :func:`serve`: per-request records (virtual-clock seconds), the engine's
-    trace and the recorder."""
-
-    records: list[RequestRecord]
-    trace: list[StepRecord]
-    recorder: Recorder
-    makespan: float
-    block_size: int
-    num_blocks: int
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(r.output_len for r in self.records)
-
-    @property
-    def throughput(self) -> float:
-        """Output tokens per second of busy-or-idle time from the first arrival to the end."""
-        return self.output_tokens / self.makespan
-
-    def mean(self, what: str) -> float:
-        vals = [getattr(r, what) for r in self.records]
-        return sum(vals) / len(vals)
-
-    def percentile(self, what: str, q: float) -> float:
-        vals = sorted(getattr(r, what) for r in self.records)
-        return vals[min(len(vals) - 1, int(q * len(vals)))]
+    recorder: Recorder | None = None
+    block_size: int = 16
+    num_blocks: int = 0
 
     @property
     def kv_waste(self) -> float:
         return kv_waste(self.trace, self.block_size)
-
-    @property
-    def mean_running(self) -> float:
-        """Requests in a step, averaged over the steps."""
-        return sum(len(r.request_ids) for r in self.trace) / len(self.trace)
 
 
 def kv_waste(trace: list[StepRecord], block_size: int) -> float:
@@ -248,55 +156,17 @@ def kv_waste(trace: list[StepRecord], block_size: int) -> float:
     return 1 - sum(r.slots_used for r in trace) / max(1, allocated)
 
 
-def serve(engine: LLMEngine, work: Workload, params: SamplingParams | list[SamplingParams]
-          | None = None, arrivals: list[float] | None = None, priorities: list[int] | None = None,
-          stop_at: list[int] | None = None, snapshots: bool = False) -> RunResult:
-    """Feed ``work`` to ``engine`` at ``arrivals`` (s; default all at 0) on a virtual clock and
-    run until every request is done. ``params`` default: greedy, ``max_tokens`` = the
-    workload's output length, EOS ignored. ``stop_at[i]``: end request i after that many
-    tokens (abort, which frees its blocks, as EOS would)."""
-    n = len(work.prompts)
-    if params is None:
-        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-                  for m in work.output_lens]
-    elif isinstance(params, SamplingParams):
-        params = [params] * n
-    arrivals = arrivals if arrivals is not None else [0.0] * n
-    priorities = priorities or [0] * n
+def record_run(engine: LLMEngine, work: Workload, params: SamplingParams | list[SamplingParams]
+               | None = None, arrivals: list[float] | None = None,
+               priorities: list[int] | None = None, stop_at: list[int] | None = None,
+               snapshots: bool = False) -> RecordedRun:
+    """:func:`~minillm.driver.drive` ``work`` through ``engine`` on the virtual clock with a
+    :class:`Recorder` (and memory snapshots, if asked) watching every step."""
     rec = Recorder(engine, snapshots)
-    order = sorted(range(n), key=lambda i: arrivals[i])
-    records = {str(i): RequestRecord(str(i), arrivals[i], len(work.prompts[i])) for i in order}
-    clock, nxt = 0.0, 0
-    while nxt < n or engine.has_unfinished():
-        while nxt < n and arrivals[order[nxt]] <= clock:
-            i = order[nxt]
-            engine.add_request(work.prompts[i], params[i], request_id=str(i),
-                               priority=priorities[i])
-            nxt += 1
-        if not engine.has_unfinished():
-            clock = arrivals[order[nxt]]
-            continue
-        t0 = time.perf_counter()
-        outs = engine.step()
-        clock += time.perf_counter() - t0
-        for out in outs:
-            r = records[out.request_id]
-            r.output_len = sum(len(c.token_ids) for c in out.outputs)
-            r.token_ids = list(out.token_ids)
-            r.num_preemptions = out.metrics.num_preemptions
-            if r.first_token is None and r.output_len:
-                r.first_token = clock
-            stop = stop_at[int(out.request_id)] if stop_at else None
-            if not out.finished and stop is not None and len(out.token_ids) >= stop:
-                engine.abort(out.request_id)
-            if out.finished or (stop is not None and len(out.token_ids) >= stop):
-                r.finished = clock
+    run = drive(engine, work, params, arrivals, priorities, stop_at)
     rec.close()
-    recs = [records[str(i)] for i in range(n)]
-    start = min(arrivals)
-    trace = list(engine.trace)[-len(rec.plans):] if rec.plans else []
-    return RunResult(recs, trace, rec, clock - start, engine.blocks.block_size,
-                     engine.blocks.num_blocks)
+    return RecordedRun(run.records, run.timeline, run.trace, run.makespan, rec,
+                       engine.blocks.block_size, engine.blocks.num_blocks)
 
 
 @dataclass
@@ -329,7 +199,7 @@ def load_sweep(make_engine: Callable[[], LLMEngine], make_work: Callable[[int], 
         for seed in seeds:
             work = make_work(seed)
             arrivals = poisson_arrivals(len(work.prompts), factor * capacity, seed=seed)
-            run = serve(make_engine(), work, arrivals=arrivals)
+            run = drive(make_engine(), work, arrivals=arrivals)
             points.append(LoadPoint(factor, seed, offered_rate(arrivals), run.throughput,
                                     [r.e2e for r in run.records], [r.ttft for r in run.records],
                                     run.mean_running, len(run.trace),
@@ -346,14 +216,13 @@ def padded_tokens(plans: list[StepPlan]) -> tuple[int, int]:
     return flat, padded
 
 
-def recomputed_tokens(run: RunResult) -> int:
+def recomputed_tokens(run: DriveResult) -> int:
     """Tokens computed beyond what a run without preemption computes (prompt + output - 1
     per request): the cost of preemption by recompute."""
     computed = sum(r.prefill_tokens + r.decode_tokens for r in run.trace)
     return computed - sum(r.prompt_len + r.output_len - 1 for r in run.records)
 
 
-__all__ = ["AttentionRecorder", "LoadPoint", "MemorySnapshot", "Recorder", "RequestRecord",
-           "RunResult", "StepPlan", "kv_waste", "load_sweep", "lognormal_lengths", "offered_rate",
-           "padded_tokens", "poisson_arrivals", "recomputed_tokens", "serve",
-           "sharegpt_like_workload", "snapshot"]
+__all__ = ["AttentionRecorder", "LoadPoint", "MemorySnapshot", "RecordedRun", "Recorder",
+           "StepPlan", "kv_waste", "load_sweep", "padded_tokens", "recomputed_tokens",
+           "record_run", "snapshot"]

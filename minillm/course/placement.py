@@ -38,18 +38,19 @@ import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
 
-from ..bench.throughput import Workload
 from ..cache.block_manager import blocks_for
 from ..config import SamplingParams
+from ..driver import drive
 from ..engine.config import EngineConfig
 from ..engine.engine import LLMEngine
-from .ch04_workload import poisson_arrivals, serve
+from ..serving_metrics import SLO, goodput_of, tpot
+from ..workloads import Workload, poisson_arrivals
 
 TOLERANCE = 0.25            # validate(): |simulated - measured| / measured allowed, mean TTFT/TPOT
 LINK_BANDWIDTH = 25e9       # bytes/s: an assumed PCIe 4.0 x16-class link, not a measurement
@@ -314,22 +315,6 @@ def _timed_steps(engine: LLMEngine, ids: list[str], prompt: int, repeats: int,
 
 # ---- what is simulated -----------------------------------------------------------------------
 @dataclass(frozen=True)
-class SLO:
-    """Service-level objectives: time to first token and time per output token, seconds."""
-
-    ttft_s: float
-    tpot_s: float
-
-    def __post_init__(self) -> None:
-        for name in ("ttft_s", "tpot_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-
-    def met(self, ttft: float, tpot: float) -> bool:
-        return ttft <= self.ttft_s and tpot <= self.tpot_s
-
-
-@dataclass(frozen=True)
 class RequestMix:
     """Prompt and output lengths (tokens) of the requests, in arrival order."""
 
@@ -455,11 +440,6 @@ def config_for(engine: LLMEngine) -> SimConfig:
 
 
 # ---- the simulator ---------------------------------------------------------------------------
-def tpot(first_token: float, finished: float, output_len: int) -> float:
-    """Seconds per output token after the first; 0 for a one-token output."""
-    return (finished - first_token) / (output_len - 1) if output_len > 1 else 0.0
-
-
 @dataclass
 class _Req:
     arrival: float
@@ -715,17 +695,6 @@ def evaluate_rate(mix: RequestMix, placement: Placement, rate: float, slo: SLO,
                      res.percentile("tpot", 0.9))
 
 
-def goodput_of(points: Iterable[tuple[float, float]], attainment: float = 0.9) -> float:
-    """DistServe's goodput from (rate, attainment) points: the highest rate below the lowest
-    one whose attainment misses ``attainment`` (0 if the lowest misses)."""
-    good = 0.0
-    for rate, att in sorted(points):
-        if att < attainment:
-            break
-        good = rate
-    return good
-
-
 def _result(placement: Placement, curve: Sequence[RatePoint], attainment: float
             ) -> GoodputResult:
     curve = sorted(curve, key=lambda p: p.rate)
@@ -900,8 +869,8 @@ def validate(engine: LLMEngine, costs: CostModel, work: Workload, rates: Sequenc
     for rate in rates:
         arrivals = poisson_arrivals(len(mix), rate, seed)
         if warmup:
-            serve(engine, work, arrivals=arrivals)
-        real = serve(engine, work, arrivals=arrivals).records
+            drive(engine, work, arrivals=arrivals)
+        real = drive(engine, work, arrivals=arrivals).records
         sim = simulate(mix, arrivals, placement, config)
         points.append(ValidationPoint(
             rate, sim.mean("ttft"), statistics.fmean(r.ttft for r in real), sim.mean("tpot"),

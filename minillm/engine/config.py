@@ -89,6 +89,9 @@ class EngineConfig(SchedulerConfig):
     where oneDNN has bf16 kernels for it. ``trace_steps``: how many
     recent :class:`StepRecord` s ``LLMEngine.trace`` keeps. ``static_buffers`` (None: on CUDA)
     keeps each step's inputs in tensors allocated once, ready for CUDA graph capture.
+    ``cuda_graphs``: capture decode steps as CUDA graphs on CUDA (with the triton backend;
+    a batch is padded to the next captured size, :mod:`~.graphs`) and replay them; ignored
+    on the CPU. Prefill, mixed and drafted steps, and steps with a KV connector, stay eager.
     ``enable_prefix_caching`` (chapter 08) keeps computed full blocks and reuses them for any
     request whose prompt starts with the same tokens, found by ``prefix_cache``: "hash" (vLLM's
     hash chain over blocks), "radix" (SGLang's radix tree), or a factory ``block_size -> cache``
@@ -121,6 +124,7 @@ class EngineConfig(SchedulerConfig):
     pack_linears: bool | None = None
     trace_steps: int = 10_000
     static_buffers: bool | None = None
+    cuda_graphs: bool = False
     enable_prefix_caching: bool = False
     prefix_cache: str | PrefixCacheFactory = "hash"
     kv_offload: OffloadConfig | dict | None = None

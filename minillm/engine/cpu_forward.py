@@ -6,8 +6,8 @@ small ones (norms, RoPE, residual adds, the cache write, SiLU) and the Python ar
 cost more than their arithmetic. :class:`CpuForward` computes the same layers over the same
 weights with each group of small ops one C++ call (:mod:`minillm.kernels.cpu_fused_ops`),
 attention the paged kernel (:mod:`minillm.kernels.cpu_paged_attention`) and the matmuls
-oneDNN's on the weights already packed (int8/int4 weights: the integer kernels through
-:class:`minillm.quant.linear.QuantGroup`), per layer:
+oneDNN's on the weights already packed (quantized linears: the group their class names as
+``fused_group``, e.g. :class:`minillm.quant.linear.QuantGroup`), per layer:
 
     h = RMSNorm(x += delta)                  add_rms_norm (delta: the previous sublayer's output)
     q, k, v = h @ [Wq Wk Wv]                 one packed matmul
@@ -46,11 +46,13 @@ def _kernels():
     return cpu_fused_ops, cpu_paged_attention
 
 
-def _quant_group():
-    """minillm.quant's QuantGroup (a technique on top of the core, imported when asked for)."""
-    from ..quant.linear import QuantGroup
-
-    return QuantGroup
+def _fused_group(linears: list[nn.Module]):
+    """The group type that runs ``linears`` as one call, if their class names one: a
+    quantized linear (a technique the core never imports) sets ``fused_group`` to a class with
+    ``supports(linears) -> bool`` and ``group(linears)``: x [N, K] -> [N, sum of out_features]
+    (:class:`minillm.quant.linear.QuantGroup`). None when it names none or refuses them."""
+    group = getattr(type(linears[0]), "fused_group", None) if linears else None
+    return group if group is not None and group.supports(linears) else None
 
 
 LINEARS = (("attn", ("wq", "wk", "wv")), ("attn", ("wo",)), ("ffn", ("w_gate", "w_up")),
@@ -71,15 +73,15 @@ def supports(model: Transformer) -> bool:
 def _plain_layer(b: nn.Module, model: Transformer) -> bool:
     """A Llama layer as :mod:`minillm.model` builds it, whose matmuls are each bias-free linears
     of the model's dtype (plain or packed, oneDNN packs that dtype here, weights with version
-    counters: not inference tensors) or quantized linears the integer kernels run
-    (:class:`~minillm.quant.linear.QuantGroup`)."""
+    counters: not inference tensors) or quantized linears with a fused group
+    (:func:`_fused_group`)."""
     cfg = model.cfg
     if not (type(b) is Block and type(b.attn) is Attention and type(b.ffn) is SwiGLU
             and type(b.attn_norm) is RMSNorm and type(b.ffn_norm) is RMSNorm
             and not hasattr(b.attn, "q_norm") and b.attn.n_heads == cfg.n_heads
             and b.attn.n_kv_heads == cfg.n_kv_heads):
         return False
-    return all(_plain_linears(lins, model) or _quant_group().supports(lins)
+    return all(_plain_linears(lins, model) or _fused_group(lins) is not None
                for lins in (_linears(getattr(b, part), names) for part, names in LINEARS))
 
 
@@ -109,8 +111,9 @@ def _matmul_of(module: nn.Module, names: tuple[str, ...]) -> Callable[[torch.Ten
     """x [N, K] -> [N, sum of out_features]: ``module``'s linears ``names`` as one matmul
     (oneDNN's on their packed weight, or the integer kernels' for quantized linears)."""
     linears = _linears(module, names)
-    if _quant_group().supports(linears):
-        return _quant_group()(linears)
+    group = _fused_group(linears)
+    if group is not None:
+        return group(linears)
     packed = _packed(module, names)
     return lambda x: _matmul(x, packed)
 

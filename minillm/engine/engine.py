@@ -34,7 +34,7 @@ from .plan import PlanError, SchedulerOutput, check_plan
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Request, Status
-from .speculation import Speculator, propose_drafts
+from .speculation import Speculator, attach_drafts
 
 StepHook = Callable[["LLMEngine", StepRecord], None]
 PlanHook = Callable[["LLMEngine", SchedulerOutput], None]
@@ -44,8 +44,8 @@ class LLMEngine(KVHandoff):
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None,
                  config: EngineConfig | None = None,
                  speculator: Speculator | None = None) -> None:
-        """``speculator`` (chapter 06; ``minillm.spec.build_speculator``) drafts tokens that
-        each decode step verifies."""
+        """``speculator`` (chapter 06; ``minillm.spec_decode.build_speculator``) drafts tokens
+        that each decode step verifies."""
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()
         num_blocks, num_cpu = pool_sizes(model, config)
@@ -70,7 +70,7 @@ class LLMEngine(KVHandoff):
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu, backend,
                                   config.pack_linears, config.max_num_batched_tokens,
                                   config.max_num_seqs, config.static_buffers, self.blocks.tables,
-                                  self.connector)
+                                  self.connector, cuda_graphs=config.cuda_graphs)
         self.runner.fuse_ops = config.fuse_ops
         if config.sampler is not None:
             self.runner.sampler.sampler = config.sampler
@@ -199,9 +199,9 @@ class LLMEngine(KVHandoff):
         self._release(done.released)
         self._fail(out.errors, done.changed)
         if self.speculator is not None:
-            self._fail(propose_drafts(self.speculator, plan, out, done,
-                                      self.model.cfg.max_seq_len, self.model.cfg.vocab_size),
-                       done.changed)
+            drafts = self.speculator.propose(plan, out, done)
+            self._fail(attach_drafts(self.speculator, drafts, plan, self.model.cfg.max_seq_len,
+                                     self.model.cfg.vocab_size), done.changed)
         record = step_record(self.num_steps, plan, out, start, scheduled, drafted, self.blocks)
         self.num_steps += 1
         self.trace.append(record)

@@ -22,6 +22,7 @@ from .config import EngineConfig
 from .engine import LLMEngine
 from .output_processor import OutputProcessor, Prompt
 from .outputs import EngineStats, RequestOutput
+from .speculation import build_speculator
 
 Messages = list[dict]
 
@@ -32,7 +33,7 @@ class LLM:
     max_num_batched_tokens, enable_chunked_prefill, batching, policy, admission, preemption,
     ...). ``speculative_config`` (chapter 06): {"method": "draft_model" | "ngram" | "medusa" |
     "eagle" | "mtp", "num_speculative_tokens": k, ...}, see
-    :class:`minillm.spec.SpeculativeConfig`. With no ``dtype`` on a CPU the faster of float32
+    :class:`minillm.spec_decode.SpeculativeConfig`. With no ``dtype`` on a CPU the faster of float32
     and bfloat16 for this machine is picked (:func:`minillm.device.serving_dtype`);
     ``dtype_reason`` says why."""
 
@@ -44,8 +45,7 @@ class LLM:
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype, seed=seed,
                                                 random_weights=random_weights, **extra)
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(**engine_options))
-        if speculative_config is not None:
-            from ..spec.speculator import build_speculator  # technique on top of the core
+        if speculative_config is not None:   # the builder minillm.spec_decode registers
             self.engine.use_speculator(build_speculator(speculative_config, self.engine))
         self.output_processor = OutputProcessor(self.engine)   # inboxes, generate, stream
 

@@ -12,9 +12,11 @@ must therefore keep what one step produced for the requests not being read right
 
 An inbox holds the latest output of its request not yet taken; a later output is merged into it
 (the newer output, with the text deltas of both joined), so a request nobody reads holds one
-output, not one per step. ``minillm.LLM`` and ``minillm.disagg.DisaggLLM`` both drive their
-engines through it; with ``timeout_s`` (DisaggLLM's) a wait in which no watched request hears
-anything for that long raises TimeoutError naming them.
+output, not one per step. A request watched with a ``sink`` gets each output pushed to it as
+the step delivers it instead (a server that forwards outputs to its clients). ``minillm.LLM``,
+``minillm.disagg.DisaggLLM`` and the server's engine loop (``minillm.serve.loop``) all take
+their outputs through it; with ``timeout_s`` (DisaggLLM's) a wait in which no watched request
+hears anything for that long raises TimeoutError naming them.
 """
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ class OutputProcessor:
         self.explain = explain
         self._inbox: dict[str, RequestOutput | None] = {}   # latest output not yet taken
         self._heard: dict[str, float] = {}     # monotonic time of the last output (or watch)
+        self._sinks: dict[str, Callable[[RequestOutput], None]] = {}   # pushed, not kept
 
     # ---- the loops -----------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -140,10 +143,15 @@ class OutputProcessor:
             self.forget([rid])
 
     # ---- inboxes -------------------------------------------------------------------------------
-    def watch(self, request_id: str) -> str:
-        """Keep the outputs of ``request_id`` from now on (an empty inbox); returns the id."""
+    def watch(self, request_id: str,
+              sink: Callable[[RequestOutput], None] | None = None) -> str:
+        """Keep the outputs of ``request_id`` from now on (an empty inbox); returns the id.
+        With ``sink``, each output is handed to ``sink(output)`` as :meth:`deliver` files it
+        instead, and the request is forgotten after its last (finished) output."""
         self._inbox[request_id] = None
         self._heard[request_id] = time.monotonic()
+        if sink is not None:
+            self._sinks[request_id] = sink
         return request_id
 
     def forget(self, request_ids: Sequence[str]) -> None:
@@ -151,6 +159,7 @@ class OutputProcessor:
         for rid in request_ids:
             self._inbox.pop(rid, None)
             self._heard.pop(rid, None)
+            self._sinks.pop(rid, None)
             self.engine.abort(rid)
 
     @property
@@ -164,16 +173,23 @@ class OutputProcessor:
         that steps the engine itself while streams are open."""
         now = time.monotonic()
         for out in outputs:
-            if out.request_id in self._inbox:
-                self._inbox[out.request_id] = merge_outputs(self._inbox[out.request_id], out)
-                self._heard[out.request_id] = now
+            rid = out.request_id
+            if rid in self._sinks:
+                sink = self._sinks[rid]
+                if out.finished:
+                    self.forget([rid])
+                sink(out)
+            elif rid in self._inbox:
+                self._inbox[rid] = merge_outputs(self._inbox[rid], out)
+                self._heard[rid] = now
 
     def next_output(self, request_id: str) -> RequestOutput:
         """The next output of watched request ``request_id`` (its inbox, emptied), stepping the
         engine until there is one. Raises RuntimeError if the engine has nothing left to run
         and the inbox is empty, TimeoutError past ``timeout_s`` without progress."""
-        if request_id not in self._inbox:
-            raise ValueError(f"request {request_id!r} is not watched: add it with watch()")
+        if request_id not in self._inbox or request_id in self._sinks:
+            raise ValueError(f"request {request_id!r} is not watched with an inbox: add it "
+                             f"with watch() (no sink)")
         while self._inbox[request_id] is None:
             if not self.engine.has_unfinished():
                 raise RuntimeError(f"request {request_id!r} is not in the engine")

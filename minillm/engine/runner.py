@@ -7,12 +7,14 @@ completing sequence's last row, or at every row of a drafted sequence or one col
 logprobs; the hidden states a drafter reads), then sampling and verification
 (:class:`~.step_sampler.StepSampler`). It returns a :class:`~.plan.RunnerOutput` and writes no
 sequence: :meth:`~.scheduler.Scheduler.update_from_output` applies it. A KV connector
-(:mod:`.connector`) is called around the forward pass and around each of its layers.
+(:mod:`.connector`) is called around the forward pass and around each of its layers. A pure
+decode step may instead replay a CUDA graph (:mod:`.graphs`, ``cuda_graphs``).
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping
+import warnings
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,8 +31,9 @@ from ..model.packed import can_pack_linears, pack_linears
 from ..model.transformer import Transformer
 from .connector import KVConnector
 from .cpu_forward import CpuForward
+from .graphs import DecodeGraphs, capturable
 from .plan import RunnerOutput, ScheduledSeq, SchedulerOutput
-from .speculation import Speculator, tree_inputs
+from .speculation import Speculator
 from .step_sampler import StepSampler, collects_prompt_logprobs
 
 
@@ -60,7 +63,7 @@ class ModelRunner:
                  pack: bool | None = None, max_rows: int = 4096, max_seqs: int = 256,
                  static_buffers: bool | None = None,
                  tables: Mapping[int, list[int]] | None = None,
-                 connector: KVConnector | None = None) -> None:
+                 connector: KVConnector | None = None, cuda_graphs: bool = False) -> None:
         """``attention_backend``: a name or a
         :class:`~minillm.attention.paged.PagedAttentionBackend` (``self.attn``; its name is
         ``self.attention_backend``). ``tables``: the block manager's block tables (read, never
@@ -68,16 +71,23 @@ class ModelRunner:
         ``static_buffers`` (None: on CUDA) copies every step's inputs and metadata into
         tensors allocated once (:class:`~minillm.attention.paged.StepBuffers`, ``max_rows``
         tokens of ``max_seqs`` sequences), so that a decode step can be captured as a CUDA
-        graph."""
+        graph; the pool then has one block more than ``num_blocks``, ``scratch_block``, which
+        no sequence owns (padding rows of a padded decode step write there).
+        ``cuda_graphs``: on CUDA with the triton backend, a model without experts and no
+        connector, capture the decode steps now and replay them (:meth:`use_decode_graphs`;
+        static buffers on); ignored on other devices."""
         self.model, self.block_size = model, block_size
         if pack or (pack is None and can_pack_linears(model.device, model.dtype)):
             pack_linears(model)
-        self.pool = PagedKVPool(model.cfg, num_blocks, block_size, model.device, model.dtype,
-                                num_cpu_blocks)
-        self.attn: PagedAttentionBackend = get_paged_backend(attention_backend)
-        self.attention_backend = self.attn.name
+        cuda_graphs = cuda_graphs and model.device.type == "cuda"
         if static_buffers is None:
             static_buffers = model.device.type == "cuda"
+        static_buffers = static_buffers or cuda_graphs
+        self.scratch_block: int | None = num_blocks if static_buffers else None
+        self.pool = PagedKVPool(model.cfg, num_blocks + int(static_buffers), block_size,
+                                model.device, model.dtype, num_cpu_blocks)
+        self.attn: PagedAttentionBackend = get_paged_backend(attention_backend)
+        self.attention_backend = self.attn.name
         blocks_per_seq = -(-model.cfg.max_seq_len // block_size)
         self.buffers = StepBuffers(max_rows, max_seqs, blocks_per_seq, model.device) \
             if static_buffers else None
@@ -88,6 +98,29 @@ class ModelRunner:
         if connector is not None:
             connector.register_kv_pool(self.pool, self.tables)
         self.sampler = StepSampler()        # its .speculator verifies drafts
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and capturable(self.attn, model) and connector is None:
+            self.use_decode_graphs()
+        elif cuda_graphs:
+            warnings.warn(f"cuda_graphs: nothing captured (they need the triton attention "
+                          f"backend, a model without experts and no KV connector; got "
+                          f"{self.attention_backend!r}, {model.cfg.n_experts} experts, "
+                          f"{type(connector).__name__}); decode steps run eagerly",
+                          stacklevel=2)
+
+    def use_decode_graphs(self, sizes: Sequence[int] | None = None,
+                          capture: bool | None = None) -> DecodeGraphs:
+        """From now on run every pure decode step that fits (:meth:`graph_step`) padded to
+        one of ``sizes`` (None: 1, 2, 4, then every multiple of 8 up to ``max_seqs``) through
+        :class:`~.graphs.DecodeGraphs`: replayed as CUDA graphs, captured now (``capture``;
+        None: on CUDA), or re-run eagerly on the same static buffers (the CPU's test of the
+        path). Needs ``static_buffers``."""
+        if self.buffers is None or self.scratch_block is None:
+            raise ValueError("decode graphs need static_buffers=True (their inputs live there)")
+        capture = self.model.device.type == "cuda" if capture is None else capture
+        self.graphs = DecodeGraphs(self.model, self.pool, self.attn, self.buffers,
+                                   self.block_size, self.scratch_block, sizes, capture)
+        return self.graphs
 
     @property
     def speculator(self) -> Speculator | None:
@@ -109,6 +142,17 @@ class ModelRunner:
             and meta.direct.numel() == len(meta.q_lens) \
             and all(0 <= i < self.model.cfg.n_layers for i in layers) \
             and self.cpu_forward.applies()
+
+    def graph_step(self, tables: list[list[int]], q_lens: list[int],
+                   masks: Mapping[int, torch.Tensor], positions: Mapping[int, list[int]],
+                   hidden_layers: Collection[int]) -> bool:
+        """Whether a forward pass goes through ``self.graphs``: a pure decode step (one new
+        token per sequence; :meth:`~.graphs.DecodeGraphs.fits`) without tree masks or
+        positions, without hidden states for a drafter, and without a KV connector (its
+        per-layer waits run on the host)."""
+        return self.graphs is not None and not masks and not positions \
+            and not hidden_layers and self.connector is None \
+            and self.graphs.fits(tables, q_lens)
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int) -> float:
@@ -145,7 +189,8 @@ class ModelRunner:
                 want_all.add(w.seq.seq_id)
                 if not d.is_chain:
                     root = w.seq.num_tokens - w.seq.num_draft - 1
-                    masks[w.seq.seq_id], positions[w.seq.seq_id] = tree_inputs(d, root)
+                    mask, positions[w.seq.seq_id] = d.tree_inputs(root)
+                    masks[w.seq.seq_id] = torch.tensor(mask)
         layers = self.speculator.hidden_layers if self.speculator is not None else ()
         moved = self.move_blocks(plan)
         short = self.connector.start_load(plan) if self.connector is not None else {}
@@ -203,10 +248,37 @@ class ModelRunner:
             ids += s.token_ids[start:start + w.num_tokens]
             pos += positions.get(s.seq_id, range(start, start + w.num_tokens))
         dev = self.model.device
+        block_tables = [tables[w.seq.seq_id] for w in work]
+        ctx_lens, q_lens = [w.seq.num_computed for w in work], [w.num_tokens for w in work]
+        if self.graph_step(block_tables, q_lens, masks, positions, hidden_layers):
+            h, hidden = self.graphs.run(ids, pos, block_tables, ctx_lens)[None], {}
+        else:
+            h, hidden = self._eager_forward(ids, pos, block_tables, ctx_lens, q_lens,
+                                            [masks.get(w.seq.seq_id) for w in work],
+                                            hidden_layers)
+        if -1 in hidden_layers:
+            hidden[-1] = h[0]
+        pick, logit_rows = [], {}
+        for w in work:
+            r = rows[w.seq.seq_id]
+            want = range(r.start, r.stop) if w.seq.seq_id in all_logits else \
+                [r.stop - 1] if w.completes else []
+            logit_rows[w.seq.seq_id] = slice(len(pick), len(pick) + len(want))
+            pick += want
+        logits = self.model.lm_head(h[0, torch.tensor(pick, device=dev, dtype=torch.long)])
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return StepResult(work, logits, logit_rows, rows, hidden)
+
+    def _eager_forward(self, ids: list[int], pos: list[int], block_tables: list[list[int]],
+                       ctx_lens: list[int], q_lens: list[int],
+                       masks: list[torch.Tensor | None], hidden_layers: Collection[int]
+                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The model over the flat batch of N rows, launched op by op (the C++ forward where
+        :meth:`fused_path` allows), the connector called around each layer: final normed
+        hidden states [1, N, D] and ``{layer: [N, D]}`` for the layers in ``hidden_layers``."""
+        dev = self.model.device
         cfg = self.model.cfg
-        meta = build_metadata([tables[w.seq.seq_id] for w in work],
-                              [w.seq.num_computed for w in work], [w.num_tokens for w in work],
-                              self.block_size, dev, [masks.get(w.seq.seq_id) for w in work],
+        meta = build_metadata(block_tables, ctx_lens, q_lens, self.block_size, dev, masks,
                               q_per_kv=cfg.n_heads // cfg.n_kv_heads, buffers=self.buffers,
                               direct=self.attn.reads_direct)
         inputs = self.buffers.fill(input_ids=ids, positions=pos) if self.buffers else None
@@ -224,16 +296,4 @@ class ModelRunner:
         else:
             h, hidden = self.model.forward_layers(inputs["input_ids"][None], batch,
                                                   inputs["positions"], layers, *around)
-        hidden = {i: x[0] for i, x in hidden.items()}
-        if -1 in hidden_layers:
-            hidden[-1] = h[0]
-        pick, logit_rows = [], {}
-        for w in work:
-            r = rows[w.seq.seq_id]
-            want = range(r.start, r.stop) if w.seq.seq_id in all_logits else \
-                [r.stop - 1] if w.completes else []
-            logit_rows[w.seq.seq_id] = slice(len(pick), len(pick) + len(want))
-            pick += want
-        logits = self.model.lm_head(h[0, torch.tensor(pick, device=dev, dtype=torch.long)])
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return StepResult(work, logits, logit_rows, rows, hidden)
+        return h, {i: x[0] for i, x in hidden.items()}

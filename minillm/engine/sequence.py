@@ -78,6 +78,16 @@ class Draft:
             out.setdefault(p, []).append(i + 1)
         return out
 
+    def tree_inputs(self, root: int) -> tuple[list[list[bool]], list[int]]:
+        """What verifying this draft as a tree needs: the attention mask [N + 1][N + 1] over
+        the root and its nodes (True: node i sees node j, its ancestors and itself) and their
+        positions (``root``, the root's position, plus each node's depth)."""
+        depth = self.depths()
+        mask = [[j == 0 for j in range(len(depth))]]
+        for i, p in enumerate(self.parents, start=1):
+            mask.append([seen or j == i for j, seen in enumerate(mask[p])])
+        return mask, [root + d for d in depth]
+
     def pruned(self, max_depth: int) -> Draft | None:
         """The nodes at depth <= max_depth (None if none is left; itself if all are)."""
         depth = self.depths()

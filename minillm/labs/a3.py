@@ -9,7 +9,7 @@
 - :func:`check_parse_sse`: an OpenAI chat-completion stream (raw ``data:`` lines) folded into
   the final text and usage; cases include lines captured from ``python -m minillm serve``.
 - :func:`check_goodput`: SLO attainment and goodput of one run from per-request TTFT/TPOT,
-  compared with :class:`minillm.course.placement.SLO`.
+  compared with :class:`minillm.serving_metrics.SLO`.
 - :func:`check_poisson_arrivals`: seeded Poisson arrival times, checked by their statistics
   (mean gap 1/rate, exponential spread, first arrival at 0, seeded).
 """
@@ -21,8 +21,8 @@ import random
 import statistics
 from collections.abc import Callable, Sequence
 
-from ..course.placement import SLO
 from ..runtime import pad_to_captured
+from ..serving_metrics import SLO
 from .common import Result, check
 
 # --- matmul launches per decode step --------------------------------------------------------
@@ -235,7 +235,7 @@ def goodput(ttft: Sequence[float], tpot: Sequence[float], slo: SLO, duration_s: 
 def check_goodput(fn: Callable) -> Result:
     """``fn(ttft, tpot, slo, duration_s)`` -> ``(attainment, goodput)``: the fraction of
     requests whose TTFT <= ``slo.ttft_s`` and TPOT <= ``slo.tpot_s`` (a
-    :class:`~minillm.course.placement.SLO`), and how many such requests per second of the
+    :class:`~minillm.serving_metrics.SLO`), and how many such requests per second of the
     run. Compared with ``SLO.met`` on seeded runs and on requests exactly at the limits."""
     rng = random.Random(7)
     slo = SLO(2.0, 0.2)

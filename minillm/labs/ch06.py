@@ -1,7 +1,8 @@
 """Checkers for the exercises of chapter 06 (speculative decoding).
 
-Each ``check_*`` compares the student's function with the package's (:mod:`minillm.spec`,
-:func:`minillm.engine.speculation.tree_inputs`) or, for the sampling rule, with the target
+Each ``check_*`` compares the student's function with the package's
+(:mod:`minillm.spec_decode`, the draft tree's
+:meth:`~minillm.engine.sequence.Draft.tree_inputs`) or, for the sampling rule, with the target
 distribution itself, prints a one-line verdict and returns a
 :class:`~minillm.labs.common.Result` (``passed`` is None while the exercise still raises
 NotImplementedError).
@@ -14,10 +15,9 @@ from collections.abc import Callable
 import torch
 
 from ..engine.sequence import Draft
-from ..engine.speculation import tree_inputs
-from ..spec.ngram import prompt_lookup
-from ..spec.trees import medusa_tree, tree_parents
-from ..spec.verify import greedy_accept
+from ..spec_decode.ngram import prompt_lookup
+from ..spec_decode.trees import medusa_tree, tree_parents
+from ..spec_decode.verify import greedy_accept
 from .common import Result, check
 
 
@@ -25,7 +25,7 @@ def check_greedy_accept(fn: Callable) -> Result:
     """``fn(draft, target_argmax)`` -> (accepted count a, next token): the longest prefix of
     ``draft`` (k tokens) that equals the target's argmax at the same rows, and the target's own
     token after it (``target_argmax`` has k + 1 entries). Compared with
-    :func:`minillm.spec.greedy_accept`."""
+    :func:`minillm.spec_decode.greedy_accept`."""
     rng = random.Random(0)
     cases = [([], [7]), ([5], [5, 9]), ([5], [4, 9]), ([1, 2, 3], [1, 2, 3, 4]),
              ([1, 2, 3], [1, 9, 3, 4]), ([1, 2, 3], [9, 2, 3, 4])]
@@ -119,7 +119,7 @@ def check_rejection_step(fn: Callable, rounds: int = 20_000) -> Result:
 def check_prompt_lookup(fn: Callable) -> Result:
     """``fn(tokens, k, max_n)`` -> up to k drafted tokens: the continuation of the most recent
     earlier occurrence of the last n tokens, for n = max_n down to 1; [] when none occurs.
-    Compared with :func:`minillm.spec.prompt_lookup` on crafted and random sequences."""
+    Compared with :func:`minillm.spec_decode.prompt_lookup` on crafted and random sequences."""
     rng = random.Random(0)
     cases = [([1], 3, 2), ([1, 2, 3, 4], 3, 2), ([1, 2, 3, 1, 2], 3, 2),
              ([1, 2, 3, 1, 2, 4, 1, 2], 3, 2),       # the most recent occurrence wins
@@ -146,7 +146,7 @@ def check_tree_mask(fn: Callable) -> Result:
     """``fn(parents)`` -> bool mask [N + 1, N + 1] of a draft tree (node 0 the root, node i + 1
     with parent ``parents[i]`` < i + 1): True where row i may attend to column j, i.e. j is i
     itself or one of its ancestors. Compared with
-    :func:`minillm.engine.speculation.tree_inputs`."""
+    :meth:`minillm.engine.sequence.Draft.tree_inputs`."""
     rng = random.Random(0)
     acc = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1], [0.2]]
     cases = [[], [0], [0, 1, 2, 3], [0, 0, 0], [0, 0, 1, 1, 2], tree_parents(medusa_tree(acc, 12))]
@@ -157,7 +157,7 @@ def check_tree_mask(fn: Callable) -> Result:
     def attempt() -> None:
         for parents in cases:
             got = torch.as_tensor(fn(list(parents))).bool()
-            want = tree_inputs(Draft([0] * len(parents), list(parents)), 0)[0]
+            want = torch.tensor(Draft([0] * len(parents), list(parents)).tree_inputs(0)[0])
             assert got.shape == want.shape, (f"parents={parents}: mask shape {tuple(got.shape)}, "
                                              f"expected {tuple(want.shape)}")
             bad = (got != want).nonzero().tolist()

@@ -1,8 +1,8 @@
 """Checkers for the exercises of chapter 06b (block drafting: DFlash, DDTree, DSpark).
 
 Each ``check_*`` compares the student's function with the package's
-(:func:`minillm.spec.trees.best_first_tree`, :func:`minillm.spec.blocks.fill_budget`) and, for
-the budget, with a brute-force search; prints a one-line verdict and returns a
+(:func:`minillm.spec_decode.trees.best_first_tree`, :func:`minillm.spec_decode.blocks.fill_budget`)
+and, for the budget, with a brute-force search; prints a one-line verdict and returns a
 :class:`~minillm.labs.common.Result` (``passed`` is None while the exercise still raises
 NotImplementedError).
 """
@@ -13,8 +13,8 @@ import math
 import random
 from collections.abc import Callable
 
-from ..spec.blocks import fill_budget
-from ..spec.trees import best_first_tree
+from ..spec_decode.blocks import fill_budget
+from ..spec_decode.trees import best_first_tree
 from .common import Result, check
 
 # --- DDTree: the best-first tree under a node budget -------------------------------------------
@@ -67,7 +67,7 @@ def check_best_first_tree(fn: Callable) -> Result:
     by the sum of its log-probabilities; the tree is the ``budget`` nodes of highest score
     (fewer if there are fewer), each listed after its parent; ``parents[i]`` is node i + 1's
     parent (0: the root) and ``picks[i]`` its (depth, rank). Any parents-first order passes;
-    the set of nodes must be the package's :func:`minillm.spec.trees.best_first_tree`."""
+    the set of nodes must be the package's :func:`minillm.spec_decode.trees.best_first_tree`."""
     cases = _tree_cases()
 
     def attempt() -> None:
@@ -141,7 +141,7 @@ def check_fill_budget(fn: Callable) -> Result:
     ``confidences[s][i]``: P(token i of sequence s is accepted | those before it were); a
     sequence's tokens are kept in order; at most ``budget`` in all, and all of them when there
     are fewer. Passing answers maximise the expected number of accepted tokens (checked by
-    brute force and against :func:`minillm.spec.blocks.fill_budget`)."""
+    brute force and against :func:`minillm.spec_decode.blocks.fill_budget`)."""
     cases = _budget_cases()
 
     def attempt() -> None:

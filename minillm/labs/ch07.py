@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from ..cache.block_manager import BlockManager
 from ..config import SamplingParams
-from ..course.placement import SLO, goodput_of
 from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..engine.sequence import Request
+from ..serving_metrics import SLO, goodput_of
 from .common import Result, check
 
 # --- one scheduling step -------------------------------------------------------------------

@@ -327,3 +327,8 @@ class QuantGroup:
             return self.weight(x)
         ys = [lin(x) for lin in self.linears]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+
+
+# The engine's CPU fast path runs a group of these linears as one QuantGroup call (it finds the
+# group through this attribute: the core never imports minillm.quant).
+Int8Linear.fused_group = Int4Linear.fused_group = QuantGroup

@@ -42,13 +42,6 @@ def pad_to_captured(n: int, sizes: Sequence[int]) -> int:
     return min(fits)
 
 
-def capture_sizes(max_batch: int) -> list[int]:
-    """vLLM's pattern, capped at ``max_batch``: 1, 2, 4, then every multiple of 8."""
-    sizes = [s for s in (1, 2, 4) if s <= max_batch]
-    return sizes + list(range(8, max_batch + 1, 8)) + \
-        ([max_batch] if max_batch > 4 and max_batch % 8 else [])
-
-
 class StaticDecoder:
     """Prefill (eager) and decode steps (eager, compiled or replayed) over a static KV cache.
 

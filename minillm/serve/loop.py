@@ -10,14 +10,18 @@ event loop) talk to it through a thread-safe command queue, and it answers throu
     async for i, out in job         <- (prompt index, RequestOutput) after each step it changed
     job.close()                     -> ("abort", job)  a client gone early: blocks freed
 
-Between two steps the thread takes every pending command, so requests that arrive while a step
-runs join the next one (continuous batching); with nothing to run it sleeps on the queue.
+The thread files each step's outputs through an
+:class:`~minillm.engine.output_processor.OutputProcessor` (what ``minillm.LLM`` uses), which
+pushes each to its job's queue. Between two steps the thread takes every pending command, so
+requests that arrive while a step runs join the next one (continuous batching); with nothing
+to run it sleeps on the queue.
 ``max_queue`` caps the engine requests waiting beyond a full batch: :meth:`EngineLoop.submit`
 raises :class:`QueueFull` when more than ``max_num_seqs + max_queue`` would be in flight.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import queue
 import threading
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from ..config import SamplingParams
 from ..device import release_openmp_threads
 from ..engine.engine import LLMEngine
+from ..engine.output_processor import OutputProcessor
 from ..engine.outputs import EngineStats, RequestOutput
 from .metrics import ServerMetrics
 
@@ -117,6 +122,7 @@ class EngineLoop:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.engine = engine
+        self.outputs = OutputProcessor(engine)     # the engine thread's only
         self.metrics = metrics or ServerMetrics()
         self.capacity = engine.config.max_num_seqs + max_queue
         self.in_flight = 0               # engine requests of open jobs (event loop side only)
@@ -171,7 +177,7 @@ class EngineLoop:
             while not self._stopping.is_set():
                 self._take_commands(wait=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
+                    self.outputs.deliver(self.engine.step())
                 self.stats = self.engine.stats()
         except BaseException as e:          # a bug in the engine: fail loudly, never hang
             self.error = e
@@ -205,6 +211,7 @@ class EngineLoop:
                 self.engine.add_request(ids, job.params, request_id=rid,
                                         arrival_time=job.arrival)
                 self._jobs[rid] = (job, i)
+                self.outputs.watch(rid, sink=functools.partial(self._to_client, rid))
         except ValueError as e:
             self._abort(job)
             job.settle(e)
@@ -217,22 +224,18 @@ class EngineLoop:
     def _abort(self, job: Job) -> None:
         for rid in job.request_ids:
             if self._jobs.pop(rid, None) is not None:
-                self.engine.abort(rid)
+                self.outputs.forget([rid])           # aborts it in the engine
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            entry = self._jobs.get(out.request_id)
-            if entry is None:
-                continue
-            if out.finished:
-                del self._jobs[out.request_id]
-                self.metrics.observe_finished(out)
-            entry[0].put((entry[1], out))
+    def _to_client(self, request_id: str, out: RequestOutput) -> None:
+        """The sink of one engine request: its output to its job's queue."""
+        job, index = self._jobs.pop(request_id) if out.finished else self._jobs[request_id]
+        if out.finished:
+            self.metrics.observe_finished(out)
+        job.put((index, out))
 
     def _abort_all(self, error: BaseException) -> None:
         jobs = {job for job, _ in self._jobs.values()}
-        for rid in list(self._jobs):
-            self.engine.abort(rid)
+        self.outputs.forget(list(self._jobs))      # aborts them in the engine
         self._jobs.clear()
         while True:                      # requests never added: answer them too
             try:

@@ -1,11 +1,11 @@
 """Plots of engine runs (chapter 04). Each function returns a matplotlib Figure; save it with
-:func:`minillm.viz.save`. Inputs are :class:`~minillm.course.ch04_workload.RunResult` s and
+:func:`minillm.viz.save`. Inputs are :class:`~minillm.course.ch04_workload.RecordedRun` s and
 :class:`~minillm.course.ch04_workload.MemorySnapshot` s recorded by
-:func:`~minillm.course.ch04_workload.serve`.
+:func:`~minillm.course.ch04_workload.record_run`.
 
 Time axes are the *engine clock*: the steps' measured durations laid end to end (idle gaps
-between arrivals skipped), the clock :func:`~minillm.course.ch04_workload.serve` reports latencies
-on.
+between arrivals skipped), the clock :func:`~minillm.course.ch04_workload.record_run` reports
+latencies on.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.patches import Rectangle
 
 if TYPE_CHECKING:  # plots take the recorded data; they never run the workload
-    from ..course.ch04_workload import LoadPoint, MemorySnapshot, RunResult
+    from ..course.ch04_workload import LoadPoint, MemorySnapshot, RecordedRun
 
 PREFILL, DECODE = "tab:orange", "tab:blue"
 
@@ -27,13 +27,13 @@ def _color(rid: str) -> str:
     return f"C{int(rid) % 10}" if rid.isdigit() else "gray"
 
 
-def step_times(run: RunResult) -> tuple[np.ndarray, np.ndarray]:
+def step_times(run: RecordedRun) -> tuple[np.ndarray, np.ndarray]:
     """Start and duration of each step on the engine clock."""
     dur = np.array([r.end - r.start for r in run.trace])
     return np.concatenate([[0.0], np.cumsum(dur)[:-1]]), dur
 
 
-def plot_batch_timeline(runs: dict[str, RunResult], slots: int | None = None) -> plt.Figure:
+def plot_batch_timeline(runs: dict[str, RecordedRun], slots: int | None = None) -> plt.Figure:
     """Gantt chart per run: a row per request, a bar per step it took part in (orange: its
     prompt was computed in that step, blue: one decode token); grey: waiting since arrival.
     The bottom strip counts the requests in each step (``slots``: the batch limit)."""
@@ -90,7 +90,7 @@ def plot_padding(plans, title: str = "") -> plt.Figure:
     return fig
 
 
-def plot_kv_usage(runs: dict[str, RunResult]) -> plt.Figure:
+def plot_kv_usage(runs: dict[str, RecordedRun]) -> plt.Figure:
     """Per run, the KV pool over the engine clock: slots allocated vs slots holding K/V; and
     the requests running per step."""
     fig, axes = plt.subplots(1, len(runs) + 1, figsize=(4 * (len(runs) + 1), 3))

@@ -1,7 +1,7 @@
 """Self-distillation data for the drafters: the target's own replies, with its hidden states.
 
 Every drafter of chapter 06 learns to predict what *this* target says, so the training text is
-the target's: each prompt of :func:`minillm.spec.prompts.training_prompts`, in the chat
+the target's: each prompt of :func:`minillm.spec_decode.prompts.training_prompts`, in the chat
 template, answered by SmolLM2 through our engine (most greedily, a share sampled at
 temperature 0.8, seeded), then run once more through the target to record its final hidden
 state at every position (what EAGLE, MTP and Medusa read at serving time). Made once, shared by
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..config import SamplingParams
-from .prompts import training_prompts
+from ...config import SamplingParams
+from ..prompts import training_prompts
 
 SAMPLED_SHARE = 0.25        # replies drawn at temperature 0.8 instead of greedily
 POOL = 2400                 # prompts are the first num_prompts of training_prompts(POOL)
@@ -80,7 +80,7 @@ def make_shard(llm, prompts: list[tuple[str, str]], first_index: int, max_tokens
 def make_dataset(out_dir: Path | None = None, num_prompts: int = 1600, max_tokens: int = 96,
                  shard_size: int = 200, model: str = "smollm2-135m") -> Path:
     """Write (or finish writing) the shards; returns the folder."""
-    from ..engine.llm import LLM
+    from ...engine.llm import LLM
     out_dir = Path(out_dir or default_data_dir())
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = training_prompts(POOL)[:num_prompts]
@@ -103,8 +103,9 @@ def load_dataset(data_dir: Path | None = None) -> dict:
     data_dir = Path(data_dir or default_data_dir())
     paths = sorted(data_dir.glob("shard-*.pt"))
     if not paths:
-        raise FileNotFoundError(f"no distillation shards in {data_dir}: run "
-                                f"`python -m minillm.spec.train --data-only` (or make drafters)")
+        raise FileNotFoundError(f"no distillation shards in {data_dir}: run `python -m "
+                                f"minillm.spec_decode.training.train --data-only` (or make "
+                                f"drafters)")
     parts = [torch.load(p) for p in paths]
     base = torch.tensor([0] + [p["offsets"][-1].item() for p in parts]).cumsum(0)
     return {"tokens": torch.cat([p["tokens"] for p in parts]),

@@ -9,8 +9,8 @@ from test_spec_engine import random_drafter
 
 from minillm import SamplingParams
 from minillm.engine import EngineConfig, LLMEngine
-from minillm.spec import SpeculativeConfig, build_speculator
-from minillm.spec.weights import load_drafter, save_drafter
+from minillm.spec_decode import SpeculativeConfig, build_speculator
+from minillm.spec_decode.weights import load_drafter, save_drafter
 
 
 @pytest.mark.parametrize("options, match", [

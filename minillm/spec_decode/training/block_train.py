@@ -20,7 +20,7 @@ the argmax of base + Markov logits. DSpark trains the three together and regress
 (the acceptance rate of sampling); we keep DFlash's backbone as it is, so that dflash, ddtree
 and dspark share one drafter, and use the greedy event, the one our benchmark verifies.
 
-    python -m minillm.spec.train dflash [--steps N] [--fresh]
+    python -m minillm.spec_decode.training.train dflash [--steps N] [--fresh]
 
 Shapes: B windows, T positions, A anchors, S the block size, D the width, Vd the draft
 vocabulary.
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..drafters import BlockDrafter, DraftHead
 from . import distill
-from .drafters import BlockDrafter, DraftHead
 from .train import (
     BATCH,
     CLIP,
@@ -375,8 +375,8 @@ def run_block(target, data: dict, steps: int | None = None, fresh: bool = False,
     DSpark's heads, shared by dflash, ddtree and dspark) and its manifest."""
     import copy
 
-    from ..runinfo import git_commit
-    from . import weights
+    from ...runinfo import git_commit
+    from .. import weights
     from .train import CONFIGS, DEFAULT_STEPS, train
     fast = copy.deepcopy(target).to(torch.bfloat16)
     bdata = with_block_features(data, fast, CONFIGS["dflash"]["target_layers"])
@@ -388,9 +388,9 @@ def run_block(target, data: dict, steps: int | None = None, fresh: bool = False,
     scores = evaluate_block(trained.drafter, trained.head, target, bdata, split(bdata)[1],
                             trained.lookup)
     st = trained.state
-    manifest = {"script": "minillm/spec/block_train.py",
+    manifest = {"script": "minillm/spec_decode/training/block_train.py",
                 "data": {"sequences": len(data["prompt_lens"]), "tokens": len(data["tokens"]),
-                         "prompts": "minillm.spec.prompts.training_prompts"},
+                         "prompts": "minillm.spec_decode.prompts.training_prompts"},
                 "steps": st.step, "dspark_steps": dspark_steps,
                 "final_loss": round(sum(st.losses[-100:]) / max(1, len(st.losses[-100:])), 4),
                 "heldout_accuracy": scores["dflash"]["acceptance"], "heldout": scores,

@@ -1,6 +1,6 @@
-"""Drafter weights shipped as package data: ``minillm/spec/weights/<method>.pt`` and a manifest
-``<method>.json`` (script, data size, steps, final loss, commit, the target it was trained for,
-the file's SHA-256).
+"""Drafter weights shipped as package data: ``minillm/spec_decode/weights/<method>.pt`` and a
+manifest ``<method>.json`` (script, data size, steps, final loss, commit, the target it was trained
+for, the file's SHA-256).
 
 Matrices are stored as int8 with one fp16 scale per output row (symmetric, like
 :mod:`minillm.quant`'s weight-only int8), everything else as fp16; the draft vocabulary's ids
@@ -83,8 +83,9 @@ def read_manifest(method: str, path: str | Path | None = None) -> dict:
     pt, js = weight_files(method, path)
     if not pt.exists() or not js.exists():
         missing = pt if not pt.exists() else js
-        raise FileNotFoundError(f"drafter file {missing} is missing: retrain with "
-                                f"`make drafters` (python -m minillm.spec.train {method})")
+        raise FileNotFoundError(f"drafter file {missing} is missing: retrain with `make "
+                                f"drafters` (python -m minillm.spec_decode.training.train "
+                                f"{method})")
     return json.loads(js.read_text())
 
 

@@ -28,7 +28,7 @@ from minillm.bench.spec_load import (
 )
 from minillm.checkpoint import load_model
 from minillm.cli import build_parser
-from minillm.spec.config import MAX_TOKENS, TREE_METHODS, SpeculativeConfig
+from minillm.spec_decode.config import MAX_TOKENS, TREE_METHODS, SpeculativeConfig
 from minillm.viz.bench import plot_spec, plot_spec_load
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -146,7 +146,7 @@ def test_cli_part1_switch():
 def test_gpu_spec_check_sweeps_every_method_on_the_tiny_model():
     """benchmarks/gpu_spec_check.py's batch sweep, at the tiny preset's shape on the CPU (the
     GPU machine runs it at real shapes): every method at every batch, nothing skipped."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_spec_check.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_spec_check.py"
     spec = importlib.util.spec_from_file_location("gpu_spec_check", path)
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)

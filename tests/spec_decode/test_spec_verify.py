@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillm.spec import (
+from minillm.spec_decode import (
     greedy_accept,
     greedy_tree_accept,
     prompt_lookup,

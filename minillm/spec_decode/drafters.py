@@ -40,6 +40,7 @@ from ..model.layers import RMSNorm, rope_cos_sin
 from ..model.transformer import Block, Transformer, _heads_axis
 
 METHODS = ("draft_model", "eagle", "mtp", "medusa", "dflash")
+OOV = -1                     # a target token outside the draft vocabulary
 
 
 @dataclass(frozen=True)
@@ -256,3 +257,10 @@ def own_parameters(drafter: nn.Module, target: Transformer) -> dict[str, torch.T
     borrowed = {id(p) for p in target.parameters()}
     return {k: v for k, v in drafter.state_dict(keep_vars=True).items()
             if id(v) not in borrowed}
+
+
+def vocab_lookup(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V] int64: a token's index in the draft vocabulary ``ids``, or OOV."""
+    lookup = torch.full((vocab_size,), OOV, dtype=torch.long)
+    lookup[ids.long()] = torch.arange(len(ids))
+    return lookup

@@ -22,8 +22,8 @@ from ..cache.pool import PagedBatch, PagedKVPool
 from ..config import ModelConfig
 from ..engine.sampler import SamplingBatch, filtered_probs
 from ..engine.sequence import Draft
-from ..engine.speculation import SpecInput, tree_inputs
 from .drafters import DraftHead
+from .inputs import SpecInput
 from .ngram import prompt_lookup
 from .trees import medusa_tree, top_nodes, tree_parents
 
@@ -264,8 +264,8 @@ class FeatureProposer:
                 work.append((inp.seq.seq_id, root + 1))
                 x.append(self._rows([t.tokens[n - 1] for n in nodes],
                                     torch.stack([t.parent_feature(n, feats[i]) for n in nodes])))
-                m, p = tree_inputs(t.subdraft(nodes), root)
-                masks.append(m[1:, 1:])
+                m, p = t.subdraft(nodes).tree_inputs(root)
+                masks.append(torch.tensor(m)[1:, 1:])
                 pos.append(p[1:])
             outs = self.cache.run(self._forward, work, x, masks, pos)
             for i, front, out in zip(grow, fronts, outs):

@@ -26,10 +26,9 @@ import torch
 
 from ..engine.sampler import SamplingBatch, filtered_probs
 from ..engine.sequence import Draft
-from ..engine.speculation import SpecInput
-from .drafters import BlockDrafter, DraftHead
+from .drafters import BlockDrafter, DraftHead, vocab_lookup
+from .inputs import SpecInput
 from .proposers import PagedDrafter
-from .train import vocab_lookup
 from .trees import best_first_tree
 
 

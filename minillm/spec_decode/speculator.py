@@ -13,11 +13,12 @@ import torch
 
 from ..config import SamplingParams
 from ..engine.engine import LLMEngine
+from ..engine.plan import RunnerOutput, SchedulerOutput, StepUpdate
 from ..engine.sampler import SamplingBatch, filtered_probs
 from ..engine.sequence import Draft, Sequence
-from ..engine.speculation import SpecInput
 from .blocks import BlockProposer
 from .config import BLOCK_METHODS, SpeculativeConfig
+from .inputs import spec_inputs
 from .proposers import DraftModelProposer, FeatureProposer, MedusaProposer, NgramProposer
 from .verify import greedy_tree_accept, rejection_accept, tree_accept
 from .weights import load_drafter
@@ -59,17 +60,30 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer) -> None:
-        self.config, self.proposer = config, proposer
+    """A proposer (which drafter) plus the verification rules, as the engine's
+    :class:`~minillm.engine.speculation.Speculator` protocol asks; ``max_seq_len``: the
+    target's context window (drafts stop short of it)."""
+
+    def __init__(self, config: SpeculativeConfig, max_seq_len: int, proposer) -> None:
+        self.config, self.max_seq_len, self.proposer = config, max_seq_len, proposer
         self.hidden_layers = proposer.hidden_layers
         self.max_draft_tokens = proposer.max_nodes
         self.stats = SpecStats()
 
-    def propose(self, inputs: list[SpecInput], hidden: dict) -> list[Draft | None]:
+    def propose(self, plan: SchedulerOutput, out: RunnerOutput, done: StepUpdate
+                ) -> dict[int, Draft]:
+        """The next drafts after a step's update, by sequence id. New parallel samples first
+        share their parent's drafter state (``proposer.fork``)."""
+        for child, parent in done.forked.items():
+            self.proposer.fork(parent, child)
+        inputs = spec_inputs(plan, out, done, self.max_seq_len)
+        if not inputs:
+            return {}
         start = time.perf_counter()
-        drafts = self.proposer.propose(inputs, hidden)
+        drafts = self.proposer.propose(inputs, out.hidden)
         self.stats.propose_seconds += time.perf_counter() - start
-        return drafts
+        return {inp.seq.seq_id: d for inp, d in zip(inputs, drafts)
+                if d is not None and inp.max_depth > 0}
 
     def verify(self, seq: Sequence, draft: Draft, logits: torch.Tensor,
                params: SamplingParams, generator: torch.Generator | None
@@ -98,9 +112,6 @@ class Speculator:
         self.stats.verify_seconds += time.perf_counter() - start
         return path, nxt
 
-    def fork(self, parent_id: int, child_id: int) -> None:
-        self.proposer.fork(parent_id, child_id)
-
     def release(self, seq_id: int) -> None:
         self.proposer.release(seq_id)
 
@@ -112,25 +123,27 @@ def build_speculator(options: dict | SpeculativeConfig, engine: LLMEngine,
     (module, head, manifest) to use instead of the packaged weights (tests)."""
     cfg = SpeculativeConfig.from_dict(options)
     k, model = cfg.num_speculative_tokens, engine.model
+    window = model.cfg.max_seq_len
     num_blocks = engine.drafter_blocks(cfg.max_draft_tokens)
     block_size = engine.blocks.block_size
     if cfg.method == "ngram":
-        return Speculator(cfg, NgramProposer(k, cfg.prompt_lookup_max, cfg.prompt_lookup_min))
+        return Speculator(cfg, window,
+                          NgramProposer(k, cfg.prompt_lookup_max, cfg.prompt_lookup_min))
     if cfg.method in BLOCK_METHODS:
-        return Speculator(cfg, block_proposer(cfg, engine, drafter))
+        return Speculator(cfg, window, block_proposer(cfg, engine, drafter))
     module, head, manifest = drafter or load_drafter(cfg.method, model, cfg.drafter)
     if cfg.method == "medusa":
         heads = len(module.heads)
         if k > heads:
             raise ValueError(f"speculative_config num_speculative_tokens must be in [1, {heads}] "
                              f"for medusa (its heads), got {k}")
-        return Speculator(cfg, MedusaProposer(module, head, manifest["head_accuracy"], k,
+        return Speculator(cfg, window, MedusaProposer(module, head, manifest["head_accuracy"], k,
                                               cfg.tree_nodes))
     if cfg.method == "draft_model":
-        return Speculator(cfg, DraftModelProposer(module, head, k, num_blocks, block_size))
-    return Speculator(cfg, FeatureProposer(module, head, model.embed, k, num_blocks, block_size,
-                                           tree=cfg.method == "eagle", topk=cfg.tree_topk,
-                                           budget=cfg.tree_nodes))
+        return Speculator(cfg, window, DraftModelProposer(module, head, k, num_blocks, block_size))
+    return Speculator(cfg, window, FeatureProposer(
+        module, head, model.embed, k, num_blocks, block_size, tree=cfg.method == "eagle",
+        topk=cfg.tree_topk, budget=cfg.tree_nodes))
 
 
 def block_proposer(cfg: SpeculativeConfig, engine: LLMEngine, drafter=None) -> BlockProposer:

@@ -30,8 +30,9 @@ AdamW, cosine decay after a linear warm-up, gradient clipping. A checkpoint (dra
 step, rng) goes to ``<cache>/spec-train/<method>.ckpt`` every ``CKPT_EVERY`` steps and a rerun
 continues from it. The last shard's sequences are held out for the accuracies in the manifest.
 
-    python -m minillm.spec.train [eagle|mtp|medusa|draft_model|all] [--steps N] [--fresh]
-    python -m minillm.spec.train --data-only
+    python -m minillm.spec_decode.training.train [eagle|mtp|medusa|draft_model|all] \
+        [--steps N] [--fresh]
+    python -m minillm.spec_decode.training.train --data-only
 
 Shapes: B windows, T positions, D the target's width, V its vocabulary, Vd the draft one.
 """
@@ -48,10 +49,17 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..model.transformer import Transformer
-from ..runinfo import device_name, git_commit
-from . import distill, weights
-from .drafters import DrafterConfig, DraftHead, build_drafter, own_parameters
+from ...model.transformer import Transformer
+from ...runinfo import device_name, git_commit
+from .. import weights
+from ..drafters import (
+    DrafterConfig,
+    DraftHead,
+    build_drafter,
+    own_parameters,
+    vocab_lookup,
+)
+from . import distill
 
 CONFIGS = {"eagle": dict(layers=1, ffn_dim=1536), "mtp": dict(layers=1, ffn_dim=1536),
            "medusa": dict(num_heads=5), "draft_model": dict(layers=2, ffn_dim=1536),
@@ -69,7 +77,7 @@ EAGLE_REG, EAGLE_SECOND = 0.1, 0.5
 MEDUSA_DECAY = 0.8
 EVAL_DEPTH = 5               # drafted positions measured for eagle and mtp
 TOPK = 8                     # ranks measured for Medusa's heads
-IGNORE, OOV = -100, -1       # no label here; a label outside the draft vocabulary
+IGNORE = -100                # no label here (OOV, from drafters: outside the draft vocabulary)
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -84,13 +92,6 @@ def draft_vocabulary(data: dict, size: int) -> torch.Tensor:
     counts[:3] = counts.max() + 1
     order = torch.sort(counts, descending=True, stable=True).indices
     return order[:size].sort().values
-
-
-def vocab_lookup(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[V] int64: a token's index in the draft vocabulary ``ids``, or OOV."""
-    lookup = torch.full((vocab_size,), OOV, dtype=torch.long)
-    lookup[ids.long()] = torch.arange(len(ids))
-    return lookup
 
 
 def load_data(data_dir: Path | None = None) -> dict:
@@ -404,9 +405,9 @@ def train_loop(method, drafter, head, target, data, opt, st: State, steps: int, 
 def manifest(method: str, data: dict, trained: Trained, scores: dict) -> dict:
     """The manifest fields :func:`weights.save_drafter` is given."""
     st = trained.state
-    out = {"script": "minillm/spec/train.py",
+    out = {"script": "minillm/spec_decode/training/train.py",
            "data": {"sequences": len(data["prompt_lens"]), "tokens": len(data["tokens"]),
-                    "prompts": "minillm.spec.prompts.training_prompts"},
+                    "prompts": "minillm.spec_decode.prompts.training_prompts"},
            "steps": st.step, "final_loss": round(sum(st.losses[-100:]) /
                                                  max(1, len(st.losses[-100:])), 4),
            "heldout_accuracy": scores["heldout_accuracy"], "commit": git_commit(short=True),
@@ -430,7 +431,8 @@ def run(method: str, target: Transformer, data: dict, steps: int | None = None,
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m minillm.spec.train", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m minillm.spec_decode.training.train",
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("method", nargs="?", default="all", choices=[*LOSSES, "dflash", "all"])
     p.add_argument("--steps", type=int, default=None, help="steps per drafter")
@@ -441,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
         distill.make_dataset()
         if args.data_only:
             return
-    from .. import load_model
+    from ...checkpoint.loader import load_model
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, _ = load_model("smollm2-135m", device=device, dtype=torch.float32)
     data = load_data()

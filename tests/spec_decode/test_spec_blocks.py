@@ -16,13 +16,13 @@ from engine_checks import prompts_of, run_all, sharp_model
 from test_spec_engine import GREEDY, assert_drafter_free, engine_for, tokens
 
 from minillm import SamplingParams
-from minillm.spec.block_train import block_inputs, markov_decode
-from minillm.spec.blocks import early_exit, fill_budget
-from minillm.spec.drafters import DrafterConfig, DraftHead, build_drafter
-from minillm.spec.proposers import PagedDrafter
-from minillm.spec.speculator import build_speculator
-from minillm.spec.train import Batch
-from minillm.spec.trees import best_first_tree
+from minillm.spec_decode.blocks import early_exit, fill_budget
+from minillm.spec_decode.drafters import DrafterConfig, DraftHead, build_drafter
+from minillm.spec_decode.proposers import PagedDrafter
+from minillm.spec_decode.speculator import build_speculator
+from minillm.spec_decode.training.block_train import block_inputs, markov_decode
+from minillm.spec_decode.training.train import Batch
+from minillm.spec_decode.trees import best_first_tree
 
 
 @pytest.fixture(scope="module")

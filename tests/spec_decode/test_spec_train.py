@@ -1,14 +1,16 @@
-"""Drafter training (minillm.spec.train) on a tiny random target and a synthetic dataset in
-the distillation format: every loss goes down when overfitting one batch, a run resumes from
-its checkpoint exactly, the draft vocabulary is what it should be, and the weights file loads."""
+"""Drafter training (minillm.spec_decode.training.train) on a tiny random target and a synthetic
+dataset in the distillation format: every loss goes down when overfitting one batch, a run resumes
+from its checkpoint exactly, the draft vocabulary is what it should be, and the weights file
+loads."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from minillm import load_model
-from minillm.spec import train as T
-from minillm.spec import weights
+from minillm.spec_decode import weights
+from minillm.spec_decode.drafters import OOV
+from minillm.spec_decode.training import train as T
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def test_draft_vocabulary(data):
     reply = data["tokens"][pos >= data["prompt_lens"][seq]].long()
     assert reply.bincount().argmax() in ids
     lookup = T.vocab_lookup(ids, 49152)
-    assert torch.equal(lookup[ids], torch.arange(40)) and lookup[400] == T.OOV
+    assert torch.equal(lookup[ids], torch.arange(40)) and lookup[400] == OOV
 
 
 @pytest.mark.parametrize("method", list(T.LOSSES))

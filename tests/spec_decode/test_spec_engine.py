@@ -17,10 +17,10 @@ from minillm import SamplingParams
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.engine.sampler import SamplingBatch, filtered_probs
 from minillm.engine.sequence import Draft
-from minillm.spec import speculator as spec_mod
-from minillm.spec.config import SpeculativeConfig
-from minillm.spec.drafters import DrafterConfig, DraftHead, build_drafter
-from minillm.spec.speculator import Speculator, build_speculator
+from minillm.spec_decode import speculator as spec_mod
+from minillm.spec_decode.config import SpeculativeConfig
+from minillm.spec_decode.drafters import DrafterConfig, DraftHead, build_drafter
+from minillm.spec_decode.speculator import Speculator, build_speculator
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -158,7 +158,8 @@ def test_tree_paths_off_the_first_branch_and_preemption(model, reference, preemp
     prompts, expect = reference
     full = {tuple(p): p + e[0] for p, e in zip(prompts, expect)}
     engine = engine_for(model, None, num_kv_blocks=24, preemption=preemption)
-    engine.use_speculator(Speculator(SpeculativeConfig("ngram"), OracleProposer(full)))
+    engine.use_speculator(Speculator(SpeculativeConfig("ngram"), model.cfg.max_seq_len,
+                                       OracleProposer(full)))
     outs = run_all(engine, prompts, GREEDY)
     assert tokens(outs) == expect
     assert sum(o.metrics.num_preemptions for o in outs) > 0

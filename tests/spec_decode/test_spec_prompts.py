@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from minillm.spec import prompts as P
+from minillm.spec_decode import prompts as P
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +49,20 @@ def test_no_duplicates_and_sane_messages(train):
     assert any("```python" in m for k, m in train if k == "grounded")
 
 
+def _passages() -> list[str]:
+    return [p["passage"] for p in P._bank()["grounded"]["passages"]]
+
+
+def _snippets() -> list[str]:
+    return [s["code"].strip("\n") for s in P._bank()["grounded"]["snippets"]]
+
+
 def test_enough_distinct_prompts():
     assert sum(P.num_training_prompts().values()) >= 3000
     assert all(v >= 1000 for v in P.num_training_prompts().values())
-    assert len(P._PASSAGES) >= 40 and len(P._SNIPPETS) >= 20
-    for _, code in P._SNIPPETS:
-        assert 4 <= len(code.strip("\n").splitlines()) <= 15
+    assert len(_passages()) >= 40 and len(_snippets()) >= 20
+    for code in _snippets():
+        assert 4 <= len(code.splitlines()) <= 15
     for kind in P.KINDS:
         assert len(_bench_all(kind)) >= 16
 
@@ -69,14 +77,16 @@ def test_benchmark_shares_no_passage_or_snippet(train):
         if kind == "grounded":
             assert _content(m) not in bench_text
     used = {_content(m) for m in bench}
-    assert any(p in used for p, _ in P._PASSAGES) and any("```" in c for c in used)
+    assert any(p in used for p in _passages()) and any("```" in c for c in used)
 
 
 def test_every_bank_item_on_one_side_only():
     train_text = "\x00".join(m for k in P.KINDS for m in P._training_pool(k))
     bench_text = "\x00".join(m for k in P.KINDS for m in _bench_all(k))
-    banks = [P._CONCEPTS, P._TASKS, P._PAIRS, P._STORIES, P._POEMS, P._LETTERS, P._PRODUCTS,
-             [p for p, _ in P._PASSAGES], [c.strip("\n") for _, c in P._SNIPPETS]]
+    bank = P._bank()
+    banks = [f["topics"] for kind in ("chat", "free") for f in bank[kind]["families"]]
+    banks += [_passages(), _snippets()]
+    assert len(banks) == 9
     for bank in banks:
         for i, item in enumerate(bank):
             held_out = i % 5 == 4

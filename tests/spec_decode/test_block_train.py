@@ -1,5 +1,5 @@
-"""Training the block drafter (minillm.spec.block_train) on the tiny random target: the block
-denoising loss falls when overfitting one batch, DSpark's stage moves only its heads, the
+"""Training the block drafter (minillm.spec_decode.training.block_train) on the tiny random target:
+the block denoising loss falls when overfitting one batch, DSpark's stage moves only its heads, the
 anchors sit in replies, and a run writes a drafter that loads and serves."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 from test_spec_train import synthetic_data
 
 from minillm import load_model
-from minillm.spec import block_train as BT
-from minillm.spec import train as T
-from minillm.spec import weights
+from minillm.spec_decode import weights
+from minillm.spec_decode.training import block_train as BT
+from minillm.spec_decode.training import train as T
 
 CONFIG = dict(layers=1, ffn_dim=64, target_layers=(0, 1), block_size=4, markov_rank=8)
 
