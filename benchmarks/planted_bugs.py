@@ -38,11 +38,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "planted_bugs.json"
 SPEC = "tests/spec_decode/test_spec_verify.py::"
-PREFIX = "tests/test_prefix_cache.py::"
-STEPS = "tests/test_step_policy.py::"
-PAGED = "tests/test_paged_attention_backend.py::"
-CONNECTOR = "tests/test_kv_connector.py::"
-POLICY = "tests/test_policy_seams.py::"
+PREFIX = "tests/cache/test_prefix_cache.py::"
+STEPS = "tests/engine/test_step_policy.py::"
+PAGED = "tests/attention/test_paged_attention_backend.py::"
+CONNECTOR = "tests/engine/test_kv_connector.py::"
+POLICY = "tests/engine/test_policy_seams.py::"
 SHIFT = "(start > 0 and w.num_tokens > 1)"   # a later chunk's positions moved by one
 
 
@@ -88,7 +88,7 @@ BUGS = (
         "minillm/engine/sampler.py",
         "        kth = x.topk(batch.top_k_only, dim=-1).values.gather(1, (k - 1)[:, None])",
         "        kth = x.topk(batch.top_k_only, dim=-1).values[:, -1:]",
-        ("tests/test_sampler.py::test_top_k_rows_with_different_k_each_keep_their_own_top_k",)),
+        ("tests/engine/test_sampler.py::test_top_k_rows_with_different_k_each_keep_their_own_top_k",)),
     Bug("scheduler-budget", "each admitted prompt gets the whole token budget",
         "minillm/engine/scheduler.py",
         "            budget -= used",
@@ -131,26 +131,26 @@ BUGS = (
         "        return [i for i in range(first, min(last + 1, len(table))) "
         "if self.device.ref[table[i]] > 1]",
         "        return []",
-        ("tests/test_block_manager.py::"
+        ("tests/cache/test_block_manager.py::"
          "test_truncating_a_fork_then_writing_leaves_the_parents_kv_alone",)),
     Bug("spec-rejected-kv-kept", "a verified draft's rejected tokens keep their KV slots",
         "minillm/engine/update.py",
         "        self.blocks.truncate(seq.seq_id, root + 1 + len(path))",
         "        pass",
-        ("tests/test_engine_update.py::"
+        ("tests/engine/test_engine_update.py::"
          "test_a_verified_chain_keeps_its_accepted_prefix_and_rolls_back_the_rest",
-         "tests/test_engine_core.py::test_rollback_and_compaction_keep_the_accepted_tokens")),
+         "tests/engine/test_engine_core.py::test_rollback_and_compaction_keep_the_accepted_tokens")),
     Bug("spec-tree-not-compacted", "a tree's accepted nodes' KV is not moved after the root",
         "minillm/engine/runner.py",
         "            self.pool.copy_slots(src, dst)",
         "            pass",
-        ("tests/test_engine_core.py::test_rollback_and_compaction_keep_the_accepted_tokens",)),
+        ("tests/engine/test_engine_core.py::test_rollback_and_compaction_keep_the_accepted_tokens",)),
     Bug("store-load-skips-a-layer", "a layer-by-layer load of stored KV skips layer 1",
         "minillm/cache/offload.py",
         "        for blocks, load in self.loads:\n            self.pool.write_layer(",
         "        for blocks, load in self.loads if layer != 1 else ():\n"
         "            self.pool.write_layer(",
-        ("tests/test_offload.py::test_served_from_the_store_after_device_eviction",)),
+        ("tests/cache/test_offload.py::test_served_from_the_store_after_device_eviction",)),
     Bug("connector-short-load-runs", "a sequence whose connector load came short runs anyway",
         "minillm/engine/runner.py",
         "        run = plan.without(short) if short else plan",

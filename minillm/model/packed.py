@@ -14,7 +14,7 @@ class PackedLinear(nn.Linear):
     redone if the weight is modified in place, and skipped when autograd needs the weight
     (training falls back to ``F.linear``). On a small AVX2 CPU (fp32) the gain is largest for
     the wide output head at tens of rows, an engine decode step; on an AVX-512-BF16 CPU bf16
-    gains most at a few rows (``tests/test_packed_linear.py`` checks equality,
+    gains most at a few rows (``tests/model/test_packed_linear.py`` checks equality,
     ``python -m minillm bench throughput`` measures the speed)."""
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -45,7 +45,7 @@ class PackedGroup:
     """Linears that read the same input (attention's q, k, v; the FFN's gate and up) run as
     one oneDNN matmul over their weights concatenated by output rows, packed once: fewer, wider
     matmuls, which at the few rows of a decode step stream the weights faster (one call instead
-    of three; ``tests/test_packed_linear.py`` checks equality). Not a module: it names the
+    of three; ``tests/model/test_packed_linear.py`` checks equality). Not a module: it names the
     linears of ``owner`` and looks them up at each call, so the weights stay their own
     Parameters (state_dict unchanged) and a linear swapped later (sharded, quantized) is used
     as it is now. The concatenated copy is redone when a weight changes; a call that autograd

@@ -24,7 +24,7 @@ from minillm.course.a2_roofline import (  # noqa: E402
     ridge_point,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- the model

@@ -12,7 +12,7 @@ from minillm.attention import reference_attention
 from minillm.course import ch05_io_model as io_model
 from minillm.model import rope_cos_sin
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "kernels_gpu.json"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "kernels_gpu.json"
 
 
 # ----------------------------------------------------------------------------- naive

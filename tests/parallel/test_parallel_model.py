@@ -19,7 +19,7 @@ from minillm.parallel.launch import run
 from minillm.parallel.pipeline import bubble_formula, measured_bubble, stage_layers
 from minillm.parallel.tensor import check_tp, expected_collectives
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _model(name: str, **changes):

@@ -18,7 +18,7 @@ from minillm.engine.connector import KVConnector
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 BS = 8
 SYSTEM = list(range(100, 141))                  # 40 shared tokens + 1
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class DictConnector(KVConnector):

@@ -34,7 +34,7 @@ from minillm.runinfo import free_port  # noqa: E402
 from minillm.serve import EngineLoop, EngineStopped, create_app  # noqa: E402
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m"
 PROMPTS = ["The capital of France is", "Hello, my name is", "1, 2, 3, 4,",
            "The best way to learn is"]

@@ -32,7 +32,7 @@ from minillm.engine import EngineConfig, LLMEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SYSTEM = list(range(100, 197))                   # 96 shared tokens + 1
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
