@@ -44,7 +44,7 @@ from .common import (
 
 DEFAULT_SPECS = ("int8", "int4", "gptq", "awq", "hqq", "int4:64", "hqq:64", "q8_0", "q4_1",
                  "q4_k")
-#: the issue's targets on the 2-core CPU: decode speed-up over bf16 and perplexity ratio
+#: the bars on the 2-core CPU: decode speed-up over bf16 and perplexity ratio
 TARGETS = {"int8": (1.5, 1.03), "int4": (2.0, 1.03)}
 
 
