@@ -14,11 +14,12 @@ llama.cpp fuse them:
 Each rounds where the eager code does (every bfloat16 result of an eager op is rounded to
 bfloat16 here too; float32 products are not contracted into FMAs), so the results equal the
 eager ones up to the order of a sum or the last bits of an exp: a few ulps at most
-(``tests/kernel_tests/test_cpu_fused_ops.py`` compares them with the eager code and float64). Rows are shared
-by OpenMP threads once there are enough of them. The C++ is ``cpu_fused_ops.cpp`` beside this
-file, compiled by :mod:`.cpu_build` after its shared ``SCALARS``, called through ctypes:
-``*_into`` unchecked, for the engine (:mod:`minillm.engine.cpu_forward`), which built every
-tensor it passes; the others check their arguments first.
+(``tests/kernel_tests/test_cpu_fused_ops.py`` compares them with the eager code and float64).
+Rows are shared by OpenMP threads once there are enough of them. The C++ is
+``cpu_fused_ops.cpp`` beside this file, compiled by :mod:`.cpu_build` after its shared
+``SCALARS``, called through ctypes: ``*_into`` unchecked, for the engine
+(:mod:`minillm.engine.cpu_forward`), which built every tensor it passes; the others check
+their arguments first.
 """
 from __future__ import annotations
 

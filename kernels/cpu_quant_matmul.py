@@ -28,8 +28,9 @@ times. With AVX2 only, 256-bit registers do half a chunk at a time, and without 
 ``vpmaddubsw`` + ``vpmaddwd`` compute the same dot products; on other CPUs plain loops do.
 The C++ is ``cpu_quant_matmul.cpp`` beside this file, compiled by :mod:`.cpu_build` after its
 shared ``SCALARS``; :func:`quantize_activations` and :func:`reference_matmul` are the
-plain-torch statement of what the C++ computes (``tests/kernel_tests/test_cpu_quant_matmul.py`` holds one
-to the other, in every instruction-set path this machine can build).
+plain-torch statement of what the C++ computes
+(``tests/kernel_tests/test_cpu_quant_matmul.py`` holds one to the other, in every
+instruction-set path this machine can build).
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from .common import format_table, use_threads, write_report
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.2
 
 
-def summarise(records: list[RequestRecord], slo_ttft: float, slo_tpot: float) -> dict:
+def disagg_summary(records: list[RequestRecord], slo_ttft: float, slo_tpot: float) -> dict:
     """Percentiles of TTFT and TPOT (s), SLO attainment, the requests meeting both SLOs per
     second of the run (req/s, reported as ``goodput``), tokens/s."""
     ttft, tpot = [r.ttft for r in records], [r.tpot for r in records]
@@ -93,14 +93,14 @@ def run_disagg_bench(model: str = "smollm2-135m", num_requests: int = 16, rate: 
               "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot}, "options": opts, "runs": {}}
     llm = LLM(model, dtype=dtype, random_weights=random_weights, **opts)
     rec = serve_wall(llm, work, arrivals)
-    report["runs"]["colocated"] = summarise(rec, slo_ttft, slo_tpot)
+    report["runs"]["colocated"] = disagg_summary(rec, slo_ttft, slo_tpot)
     del llm
     for name, layerwise in (("1P1D whole", False), ("1P1D layerwise", True)):
         with DisaggLLM(model, num_decode=1, layerwise=layerwise, dtype=dtype,
                        random_weights=random_weights, threads=max(1, threads // 2),
                        **opts) as pair:
             rec = serve_wall(pair, work, arrivals)
-            report["runs"][name] = {**summarise(rec, slo_ttft, slo_tpot),
+            report["runs"][name] = {**disagg_summary(rec, slo_ttft, slo_tpot),
                                     **transfer_summary(pair.transfers)}
         load.append(os.getloadavg()[0])
     report["load_average"] = load

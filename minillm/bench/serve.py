@@ -161,7 +161,7 @@ def completion_body(prompt: str, max_tokens: int, extra: dict) -> dict:
 
 # ----------------------------------------------------------------------------- summaries
 
-def summarise(results: Sequence[RequestResult], slo: SLO) -> dict:
+def serve_summary(results: Sequence[RequestResult], slo: SLO) -> dict:
     """Percentiles of TTFT, TPOT, ITL and end-to-end latency (s), throughput, failures,
     completed requests with fewer tokens than asked (EOS not ignored), SLO attainment and
     goodput (requests meeting both SLOs per second of the run)."""
@@ -343,7 +343,7 @@ def sweep(spec: ServerSpec, port: int, threads: int, load: Load,
         for rate, arrivals in load.arrivals.items():
             results = asyncio.run(run_load(base, load.prompts[rate], load.output_lens, arrivals,
                                            spec.extra))
-            run = {"rate": rate, **summarise(results, load.slo),
+            run = {"rate": rate, **serve_summary(results, load.slo),
                    "kv_blocks_after": kv_blocks(base)}
             say(f"  {spec.name} at {rate} req/s: {run['completed']} done, {run['failed']} "
                 f"failed, TTFT p50 {fmt(run['ttft_p50'])} s, {run['output_tok_s']:.1f} tok/s")

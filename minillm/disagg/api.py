@@ -34,7 +34,7 @@ from ..engine.output_processor import OutputProcessor, Prompt
 from ..engine.outputs import CompletionOutput, RequestOutput
 from ..engine.sequence import Metrics
 from ..runinfo import free_port
-from .worker import FAULTS, PREFILL_RANK, ROUTER, Job, WorkerSpec, worker_main
+from .worker import FAULTS, PREFILL_RANK, ROUTER, WorkerJob, WorkerSpec, worker_main
 
 
 @dataclass
@@ -209,7 +209,7 @@ class DisaggLLM:
         if output_ids is None or tr.decode_rank is None:
             tr.kv_key = tr.key
         self.by_key[tr.key] = tr
-        job = Job(tr.key, index, prompt_ids, params, tr.decode_rank, list(output_ids or []),
+        job = WorkerJob(tr.key, index, prompt_ids, params, tr.decode_rank, list(output_ids or []),
                   tr.kv_key)
         if tr.decode_rank is not None:
             self._send(tr.decode_rank, ("expect", job))

@@ -60,7 +60,7 @@ FAULTS = ("exit_after_pull", "exit_after_tokens")
 
 
 @dataclass
-class Job:
+class WorkerJob:
     """One request as a worker sees it: ``request_id`` is the job's key (a request re-routed
     gets a new one). ``index``: its transfer number (message tags).
     ``decode_rank`` None: the prefill worker runs it to the end (no decode worker is left).
@@ -152,7 +152,7 @@ class Worker:
         self.rank, self.engine, self.spec, self.links = rank, engine, spec, links
         self.kv = connector
         self.incoming = [q for (src, dst), q in sorted(links.items()) if dst == rank]
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[str, WorkerJob] = {}
         self.sent_tokens: dict[str, int] = {}      # request -> output tokens reported so far
         self.waiter = Waiter(spec.timeout_s)
         self.fault = spec.faults.get(rank)
@@ -244,7 +244,7 @@ class PrefillWorker(Worker):
             self.engine.abort(rid)
             self._release(rid)
 
-    def _start(self, job: Job) -> None:
+    def _start(self, job: WorkerJob) -> None:
         rid = job.request_id
         self.over.pop(rid, None)
         self.jobs[rid] = job
@@ -357,7 +357,7 @@ class PrefillWorker(Worker):
             else:
                 self._first_token(job, out, now)
 
-    def _first_token(self, job: Job, out, now: float) -> None:
+    def _first_token(self, job: WorkerJob, out, now: float) -> None:
         c = out.outputs[0]
         finished = c.finish_reason == "stop" or job.params.max_tokens <= 1 or \
             len(job.prompt_ids) + 1 >= self.engine.model.cfg.max_seq_len

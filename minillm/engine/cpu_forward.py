@@ -18,8 +18,9 @@ oneDNN's on the weights already packed (quantized linears: the group their class
 
 Each op rounds where the eager code rounds, but a sum may run in another order, so a last bit
 here and there differs and, over 30 layers, bfloat16 greedy text can part from the eager path's
-after some tokens, as it does between batch sizes (``tests/engine/test_cpu_forward.py``: as close to a
-float64 forward as the eager path, float32 within 1e-5 of it, the same greedy float32 text).
+after some tokens, as it does between batch sizes (``tests/engine/test_cpu_forward.py``: as
+close to a float64 forward as the eager path, float32 within 1e-5 of it, the same greedy
+float32 text).
 :func:`supports` says when it applies: a dense Llama-family model (no QK-norm, no experts) on
 the CPU with the C++ kernels built; the runner also requires the ``cpu`` backend (not wrapped)
 and no tree masks (every other case takes the eager path). Like a compiled graph, it runs no

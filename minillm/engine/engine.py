@@ -44,7 +44,7 @@ class LLMEngine(KVHandoff):
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None,
                  config: EngineConfig | None = None,
                  speculator: Speculator | None = None) -> None:
-        """``speculator`` (chapter 06; ``minillm.spec_decode.build_speculator``) drafts tokens
+        """``speculator`` (chapter 06; ``minillm.spec_decode.speculator_for``) drafts tokens
         that each decode step verifies."""
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()

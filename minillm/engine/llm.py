@@ -22,7 +22,7 @@ from .config import EngineConfig
 from .engine import LLMEngine
 from .output_processor import OutputProcessor, Prompt
 from .outputs import EngineStats, RequestOutput
-from .speculation import build_speculator
+from .speculation import speculator_for
 
 Messages = list[dict]
 
@@ -46,7 +46,7 @@ class LLM:
                                                 random_weights=random_weights, **extra)
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(**engine_options))
         if speculative_config is not None:   # the builder minillm.spec_decode registers
-            self.engine.use_speculator(build_speculator(speculative_config, self.engine))
+            self.engine.use_speculator(speculator_for(speculative_config, self.engine))
         self.output_processor = OutputProcessor(self.engine)   # inboxes, generate, stream
 
     @property

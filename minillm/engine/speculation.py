@@ -61,7 +61,7 @@ def register_speculator_builder(builder: SpeculatorBuilder) -> None:
     _builders[:] = [builder]
 
 
-def build_speculator(options: dict, engine: LLMEngine) -> Speculator:
+def speculator_for(options: dict, engine: LLMEngine) -> Speculator:
     """The registered builder's speculator for ``options`` (a speculative_config dict)."""
     if not _builders:
         raise ValueError("speculative_config needs minillm.spec_decode: import it (import "

@@ -16,7 +16,7 @@ from torch import nn
 from ..config import PRESETS
 from ..model.layers import Attention, SwiGLU, rope_cos_sin
 from ..model.transformer import _heads_axis
-from ..parallel.pipeline import bubble_formula, simulate
+from ..parallel.pipeline import bubble_formula, simulate_pipeline
 from ..parallel.tensor import check_tp, kv_heads_of_rank
 from .common import Result, check
 
@@ -151,7 +151,7 @@ def check_gpipe_times(fn: Callable[[list[list[float]]], list[list[float]]]) -> R
     def attempt() -> None:
         for name, costs in tables.items():
             got = [[float(t) for t in row] for row in fn([list(row) for row in costs])]
-            want = [[start for _, start, _ in tl] for tl in simulate(costs)]
+            want = [[start for _, start, _ in tl] for tl in simulate_pipeline(costs)]
             assert len(got) == len(want) and all(len(g) == len(w) for g, w in zip(got, want)), (
                 f"{name}: expected {len(want)} rows of {len(want[0])} start times")
             for s, (g, w) in enumerate(zip(got, want)):

@@ -126,7 +126,7 @@ def measured_bubble(timelines: list[list[tuple[int, float, float]]]) -> float:
     return 1.0 - busy / (len(timelines) * (end - start))
 
 
-def simulate(costs: list[list[float]]) -> list[list[tuple[int, float, float]]]:
+def simulate_pipeline(costs: list[list[float]]) -> list[list[tuple[int, float, float]]]:
     """The GPipe forward schedule that stage costs give, without running anything.
 
     costs[s][i] is the time stage s spends on micro-batch i ([p][m]). Stages take their

@@ -107,7 +107,7 @@ def profile_decode(model: Transformer, prompt_len: int = 128, steps: int = 8,
         for _ in range(steps):
             model(x, cache=cache, last_only=True)
         sync(dev)
-    return summarise(prof, steps, cuda, str(dev))
+    return profile_summary(prof, steps, cuda, str(dev))
 
 
 def profile_engine_steps(engine, steps: int = 5) -> DecodeProfile:
@@ -128,10 +128,10 @@ def profile_engine_steps(engine, steps: int = 5) -> DecodeProfile:
             engine.step()
             ran += 1
         sync(dev)
-    return summarise(prof, ran, cuda, str(dev))
+    return profile_summary(prof, ran, cuda, str(dev))
 
 
-def summarise(prof, steps: int, cuda: bool, device: str) -> DecodeProfile:
+def profile_summary(prof, steps: int, cuda: bool, device: str) -> DecodeProfile:
     """Group the profiler's per-operator averages into rows (device kernels on a GPU)."""
     rows = []
     for e in prof.key_averages():

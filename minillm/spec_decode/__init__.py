@@ -24,10 +24,10 @@ this package registers :func:`build_speculator` there, for ``LLM(speculative_con
 from ..engine.speculation import register_speculator_builder
 from .config import METHODS, SpeculativeConfig
 from .ngram import prompt_lookup
-from .speculator import SpecStats, Speculator, build_speculator
+from .speculator import DraftAndVerify, SpecStats, build_speculator
 from .verify import greedy_accept, greedy_tree_accept, rejection_accept, residual, tree_accept
 
-__all__ = ["METHODS", "SpecStats", "SpeculativeConfig", "Speculator", "build_speculator",
+__all__ = ["METHODS", "DraftAndVerify", "SpecStats", "SpeculativeConfig", "build_speculator",
            "greedy_accept", "greedy_tree_accept", "prompt_lookup", "rejection_accept",
            "residual", "tree_accept"]
 

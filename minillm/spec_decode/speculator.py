@@ -59,7 +59,7 @@ class SpecStats:
         return self.emitted / self.rounds if self.rounds else 0.0
 
 
-class Speculator:
+class DraftAndVerify:
     """A proposer (which drafter) plus the verification rules, as the engine's
     :class:`~minillm.engine.speculation.Speculator` protocol asks; ``max_seq_len``: the
     target's context window (drafts stop short of it)."""
@@ -117,7 +117,7 @@ class Speculator:
 
 
 def build_speculator(options: dict | SpeculativeConfig, engine: LLMEngine,
-                     drafter=None) -> Speculator:
+                     drafter=None) -> DraftAndVerify:
     """The speculator for ``options`` (a speculative_config dict) on ``engine``'s model; a
     drafter with a cache gets room to follow every sequence the engine can hold. ``drafter``:
     (module, head, manifest) to use instead of the packaged weights (tests)."""
@@ -127,21 +127,22 @@ def build_speculator(options: dict | SpeculativeConfig, engine: LLMEngine,
     num_blocks = engine.drafter_blocks(cfg.max_draft_tokens)
     block_size = engine.blocks.block_size
     if cfg.method == "ngram":
-        return Speculator(cfg, window,
-                          NgramProposer(k, cfg.prompt_lookup_max, cfg.prompt_lookup_min))
+        return DraftAndVerify(cfg, window,
+                              NgramProposer(k, cfg.prompt_lookup_max, cfg.prompt_lookup_min))
     if cfg.method in BLOCK_METHODS:
-        return Speculator(cfg, window, block_proposer(cfg, engine, drafter))
+        return DraftAndVerify(cfg, window, block_proposer(cfg, engine, drafter))
     module, head, manifest = drafter or load_drafter(cfg.method, model, cfg.drafter)
     if cfg.method == "medusa":
         heads = len(module.heads)
         if k > heads:
             raise ValueError(f"speculative_config num_speculative_tokens must be in [1, {heads}] "
                              f"for medusa (its heads), got {k}")
-        return Speculator(cfg, window, MedusaProposer(module, head, manifest["head_accuracy"], k,
-                                              cfg.tree_nodes))
+        return DraftAndVerify(cfg, window, MedusaProposer(
+            module, head, manifest["head_accuracy"], k, cfg.tree_nodes))
     if cfg.method == "draft_model":
-        return Speculator(cfg, window, DraftModelProposer(module, head, k, num_blocks, block_size))
-    return Speculator(cfg, window, FeatureProposer(
+        return DraftAndVerify(cfg, window,
+                              DraftModelProposer(module, head, k, num_blocks, block_size))
+    return DraftAndVerify(cfg, window, FeatureProposer(
         module, head, model.embed, k, num_blocks, block_size, tree=cfg.method == "eagle",
         topk=cfg.tree_topk, budget=cfg.tree_nodes))
 

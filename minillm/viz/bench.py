@@ -127,7 +127,7 @@ def plot_spec_load(report: dict):
     axes[0, 1].set(xlabel="draft tokens verified per sequence per round",
                    ylabel="tokens per round", title="acceptance length at equal budgets")
     log_ticks(axes[0, 1], load["config"]["budgets"])
-    plot_drafter_cost(axes[0, 2], report.get("drafter_cost", []), colours)
+    draw_drafter_cost(axes[0, 2], report.get("drafter_cost", []), colours)
     dashed = {r["label"] for r in load["rates"] if r.get("verify_budget", 0) >
               load["config"]["max_num_seqs"]}
     for label in dict.fromkeys(r["label"] for r in load["rates"]):
@@ -156,7 +156,7 @@ def plot_spec_load(report: dict):
     return fig
 
 
-def plot_drafter_cost(ax, costs: list[dict], colours: dict[str, str]) -> None:
+def draw_drafter_cost(ax, costs: list[dict], colours: dict[str, str]) -> None:
     """Bars: each drafter's ms per round at batch 1 (``drafter_cost`` of the spec report); a
     dashed line: the plain engine's ms per token."""
     bars = ax.bar([c["method"] for c in costs], [c["draft_ms_per_round"] for c in costs],

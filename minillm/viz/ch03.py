@@ -4,7 +4,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ..parallel.pipeline import bubble_formula, simulate
+from ..parallel.pipeline import bubble_formula, simulate_pipeline
 
 
 def plot_tp_cost(degrees: list[int], panels: dict, measured: dict | None = None) -> plt.Figure:
@@ -31,7 +31,7 @@ def plot_tp_cost(degrees: list[int], panels: dict, measured: dict | None = None)
 def plot_gpipe(p: int = 2, m: int = 4) -> plt.Figure:
     """The GPipe forward schedule of p equal stages and m micro-batches (one time unit each):
     the Gantt chart, with the bubble (p-1)/(m+p-1) in the title."""
-    timelines = simulate([[1.0] * m for _ in range(p)])
+    timelines = simulate_pipeline([[1.0] * m for _ in range(p)])
     title = (f"p={p} stages, m={m} micro-batches: {m + p - 1} steps, bubble "
              f"(p-1)/(m+p-1) = {bubble_formula(p, m):.2f}")
     fig = plot_pipeline_gantt({title: timelines}, unit="s")

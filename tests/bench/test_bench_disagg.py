@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from minillm.bench.disagg import summarise, transfer_summary
+from minillm.bench.disagg import disagg_summary, transfer_summary
 from minillm.cli import build_parser
 from minillm.driver import RequestRecord
 
@@ -12,7 +12,7 @@ def test_summary_counts_only_requests_meeting_both_slos():
     rec = [RequestRecord("0", 0.0, 4, 0.5, 1.5, 11),     # TPOT 0.1: ok
            RequestRecord("1", 1.0, 4, 4.0, 5.0, 11),     # TTFT 3 s: late
            RequestRecord("2", 2.0, 4, 2.2, 8.2, 11)]     # TPOT 0.6: slow
-    s = summarise(rec, slo_ttft=2.0, slo_tpot=0.2)
+    s = disagg_summary(rec, slo_ttft=2.0, slo_tpot=0.2)
     assert s["attainment"] == pytest.approx(1 / 3)
     assert s["goodput"] == pytest.approx(1 / 8.2)
     assert s["ttft_mean"] == pytest.approx((0.5 + 3.0 + 0.2) / 3)

@@ -17,8 +17,8 @@ from minillm.bench.serve import (  # noqa: E402
     note_event,
     run_load,
     run_serve_bench,
+    serve_summary,
     sse_events,
-    summarise,
 )
 from minillm.serving_metrics import SLO  # noqa: E402
 
@@ -89,7 +89,7 @@ def test_summary_counts_failures_and_slo():
     fast = RequestResult(0.0, 3, first=0.1, finish=0.3, output_tokens=3)
     slow = RequestResult(0.5, 3, first=3.0, finish=3.2, output_tokens=3)   # TTFT 2.5 s
     failed = RequestResult(1.0, 3, error="HTTP 503")
-    s = summarise([fast, slow, failed], SLO(ttft_s=2.0, tpot_s=0.2))
+    s = serve_summary([fast, slow, failed], SLO(ttft_s=2.0, tpot_s=0.2))
     assert (s["completed"], s["failed"], s["errors"]) == (2, 1, ["HTTP 503"])
     assert s["attainment"] == pytest.approx(1 / 3)
     assert s["goodput"] == pytest.approx(1 / 3.2) and s["output_tok_s"] == pytest.approx(6 / 3.2)
@@ -99,7 +99,7 @@ def test_unreachable_server_fails_every_request():
     base = f"http://127.0.0.1:{free_port()}"
     results = asyncio.run(run_load(base, ["a", "b"], [2, 2], [0.0, 0.01], lambda n: {}))
     assert all(not r.ok and "Connect" in r.error for r in results)
-    assert summarise(results, SLO(1.0, 1.0))["failed"] == 2
+    assert serve_summary(results, SLO(1.0, 1.0))["failed"] == 2
 
 
 def test_each_rate_has_its_own_prompts():

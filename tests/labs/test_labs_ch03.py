@@ -14,7 +14,7 @@ from minillm.labs.solutions.ch03 import (
     gpipe_times,
     kv_heads,
 )
-from minillm.parallel.pipeline import bubble_formula, measured_bubble, simulate
+from minillm.parallel.pipeline import bubble_formula, measured_bubble, simulate_pipeline
 
 # --- wrong solutions -----------------------------------------------------------------------
 
@@ -86,6 +86,6 @@ test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = \
 
 def test_simulate_equal_stages_gives_the_gpipe_bubble():
     for p, m in ((1, 1), (2, 1), (2, 8), (4, 3)):
-        timelines = simulate([[1.0] * m for _ in range(p)])
+        timelines = simulate_pipeline([[1.0] * m for _ in range(p)])
         assert [[s for _, s, _ in tl] for tl in timelines] == gpipe_slots(p, m)
         assert measured_bubble(timelines) == pytest.approx(bubble_formula(p, m))

@@ -20,7 +20,7 @@ from minillm.engine.sequence import Draft
 from minillm.spec_decode import speculator as spec_mod
 from minillm.spec_decode.config import SpeculativeConfig
 from minillm.spec_decode.drafters import DrafterConfig, DraftHead, build_drafter
-from minillm.spec_decode.speculator import Speculator, build_speculator
+from minillm.spec_decode.speculator import DraftAndVerify, build_speculator
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -158,7 +158,7 @@ def test_tree_paths_off_the_first_branch_and_preemption(model, reference, preemp
     prompts, expect = reference
     full = {tuple(p): p + e[0] for p, e in zip(prompts, expect)}
     engine = engine_for(model, None, num_kv_blocks=24, preemption=preemption)
-    engine.use_speculator(Speculator(SpeculativeConfig("ngram"), model.cfg.max_seq_len,
+    engine.use_speculator(DraftAndVerify(SpeculativeConfig("ngram"), model.cfg.max_seq_len,
                                        OracleProposer(full)))
     outs = run_all(engine, prompts, GREEDY)
     assert tokens(outs) == expect
