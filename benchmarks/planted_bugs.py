@@ -177,6 +177,31 @@ BUGS = (
         "        bad = sampler_violations(drawn, len(rows), logits.shape[-1])",
         "        bad = {}",
         (POLICY + "test_a_sampler_drawing_outside_the_vocabulary_fails_that_request_alone",)),
+    Bug("drafts-unchecked", "the engine attaches drafts with tokens outside the vocabulary",
+        "minillm/engine/speculation.py",
+        "        bad = [t for t in draft.tokens if not (isinstance(t, int) and 0 <= t < "
+        "vocab_size)]",
+        "        bad = []",
+        ("tests/engine/test_engine_update.py::"
+         "test_a_drafter_breaking_its_contract_fails_its_request_alone",)),
+    Bug("graph-padding-in-block-0", "a padded decode step's padding rows write into block 0",
+        "minillm/engine/graphs.py",
+        "        meta = build_metadata(tables + [[self.scratch_block]] * pad,",
+        "        meta = build_metadata(tables + [[0]] * pad,",
+        ("tests/engine/test_graphs.py::test_padding_rows_write_only_the_scratch_block",)),
+    Bug("server-prompt-tokens-per-choice", "usage.prompt_tokens counts the prompt once per "
+        "choice when n > 1",
+        "minillm/serve/responses.py",
+        "        prompt = sum(len(o.prompt_token_ids) for o in self.latest.values())",
+        "        prompt = sum(len(o.prompt_token_ids) * len(o.outputs) "
+        "for o in self.latest.values())",
+        ("tests/serve/test_serve.py::test_n_samples_and_seeds",)),
+    Bug("server-no-abort-on-disconnect", "a client that leaves a stream does not abort its "
+        "engine request",
+        "minillm/serve/loop.py",
+        "        if not job.finished:\n            self._commands.put((\"abort\", job))",
+        "        if False:\n            self._commands.put((\"abort\", job))",
+        ("tests/serve/test_serve.py::test_client_disconnect_mid_stream_frees_its_blocks",)),
 )
 
 

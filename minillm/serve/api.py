@@ -5,15 +5,16 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` sends
 server-sent events, ``data: {chunk}`` lines and a final ``data: [DONE]``), ``GET /v1/models``,
+``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's, :mod:`.tokenize`),
 ``GET /health`` (503 once the engine loop is gone), ``GET /metrics`` (Prometheus text).
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
-parameter (named in ``param``) or malformed JSON, 401 without the API key (when one is set; only
-``/v1`` needs it), 404 for an unknown model or path, 413 for a body over ``max_body_bytes``,
-503 when the server already holds ``max_num_seqs + max_queue`` requests. A client that goes
-away (mid-stream or while waiting) has its request aborted and its KV blocks freed. On shutdown
-(uvicorn's SIGTERM handling: stop accepting, let in-flight responses finish within
-``timeout_graceful_shutdown``) the lifespan hook aborts what is left and stops the loop.
+parameter (named in ``param``) or malformed JSON, 401 without the API key (when one is set; ``/v1``
+and the tokenizer routes need it), 404 for an unknown model or path, 413 for a body over
+``max_body_bytes``, 503 when the server already holds ``max_num_seqs + max_queue`` requests. A
+client that goes away (mid-stream or while waiting) has its request aborted and its KV blocks
+freed. On shutdown (uvicorn's SIGTERM handling: stop accepting, let in-flight responses finish
+within ``timeout_graceful_shutdown``) the lifespan hook aborts what is left and stops the loop.
 """
 from __future__ import annotations
 
@@ -33,31 +34,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import SamplingParams
 from ..engine.engine import LLMEngine
 from ..engine.outputs import RequestOutput
+from .errors import APIError
 from .loop import EngineLoop, EngineStopped, Job, QueueFull
 from .metrics import CLIENT_CLOSED, CONTENT_TYPE, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, error_location, param_of
 from .responses import ChatRenderer, CompletionRenderer, Renderer
+from .tokenize import tokenizer_routes
 
 MAX_BODY_BYTES = 16 << 20
 DISCONNECT_POLL = 0.5     # seconds between checks that a waiting client is still there
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               404: "invalid_request_error", 413: "invalid_request_error",
-               503: "service_unavailable_error"}
 Body = TypeVar("Body", bound=BaseModel)
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's JSON body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> JSONResponse:
-        error = {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
-                 "param": self.param, "code": self.code}
-        return JSONResponse({"error": error}, status_code=self.status)
 
 
 class Server:
@@ -99,10 +85,13 @@ class Server:
             first = e.errors()[0]
             param = error_location(first["loc"], kind)
             raise APIError(400, f"{param or 'body'}: {first['msg']}", param) from None
-        if body.model != self.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
+        model = body.model
+        if model != self.model_name and (model is not None or kind.model_fields["model"]
+                                          .is_required()):
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", "model", "model_not_found")
-        if (name := body.unsupported()) is not None:
+        unsupported = getattr(body, "unsupported", None)
+        if unsupported is not None and (name := unsupported()) is not None:
             raise APIError(400, f"{name} is not supported by this server", name)
         return body
 
@@ -240,6 +229,7 @@ def create_app(engine: LLMEngine, model_name: str, *, api_key: str | None = None
     app.add_exception_handler(StarletteHTTPException, lambda request, e: APIError(
         e.status_code, str(e.detail)).response())
     app.include_router(v1_routes(server))
+    app.include_router(tokenizer_routes(server))
 
     @app.get("/health")
     async def health() -> Response:

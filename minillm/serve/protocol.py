@@ -146,6 +146,8 @@ def error_location(loc: tuple[Any, ...], kind: type[BaseModel]) -> str | None:
             parts.append(str(part))
             continue
         if kind is None or part not in kind.model_fields:
+            if not parts:             # a field the body may not have: name it
+                parts.append(str(part))
             break
         parts.append(part)
         kind = model_inside(kind.model_fields[part].annotation)

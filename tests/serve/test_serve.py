@@ -185,11 +185,14 @@ def test_stop_string_cuts_the_text(client, reference, stream):
 
 
 def test_n_samples_and_seeds(client):
+    one = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=1)
+
     def sample(seed: int):
         r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, n=3,
                                       temperature=1.0, seed=seed, logprobs=2)
         assert sorted(c.index for c in r.choices) == [0, 1, 2]
         assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
+        assert r.usage.prompt_tokens == one.usage.prompt_tokens     # the prompt once, not n x
         return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
 
     first = sample(7)
@@ -222,6 +225,33 @@ def test_logprobs_match_the_uncached_model(client, llm, reference):
     assert len(content) == chat.usage.completion_tokens
     assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob
                for c in content)
+
+
+def test_tokenizer_routes_agree_with_the_tokenizer(base, llm):
+    """vLLM's /tokenizer_info, /tokenize and /detokenize (what lm-eval's remote tokenizer
+    calls) give the engine's tokenizer's answers; bad bodies are 400s naming the parameter."""
+    tok = llm.tokenizer
+    info = httpx.get(f"{base}/tokenizer_info", timeout=10).json()
+    assert info["eos_token"] == tok.id_to_token(tok.eos_token_id)
+    assert info["chat_template"] == tok.chat_template
+    assert info["model_max_length"] == llm.model.cfg.max_seq_len
+    r = post(base, "/tokenize", {"prompt": PROMPTS[0], "add_special_tokens": False}).json()
+    assert r["tokens"] == tok.encode(PROMPTS[0]) and r["count"] == len(r["tokens"])
+    chat = post(base, "/tokenize", {"model": MODEL, "messages": CHAT}).json()
+    assert chat["tokens"] == tok.apply_chat_template(CHAT, add_generation_prompt=True,
+                                                     tokenize=True)
+    back = post(base, "/detokenize", {"tokens": r["tokens"]}).json()
+    assert back == {"prompt": PROMPTS[0]}
+    for path, body, param in [("/detokenize", {"tokens": [tok.vocab_size]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens"),
+                              ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt"),
+                              ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "colour": 1}, "colour")]:
+        reply = post(base, path, body)
+        assert reply.status_code == 400, (path, body, reply.text)
+        assert reply.json()["error"]["param"] == param, reply.json()
+    wrong = post(base, "/tokenize", {"model": "other", "prompt": "a"})
+    assert wrong.status_code == 404
 
 
 def test_echo_returns_the_prompt_and_its_logprobs(client, llm):
@@ -287,16 +317,21 @@ def test_bad_requests_get_openai_errors_naming_the_parameter(base, client):
 
 # ---------------------------------------------------------------------------- load
 
-def test_client_disconnect_mid_stream_frees_its_blocks(base):
+def test_client_disconnect_mid_stream_frees_its_blocks(base, llm):
+    """A client leaves a stream that asked for 340 tokens after a few: its engine request is
+    aborted (it runs only a few steps past the disconnect, far from finishing on its own) and
+    its blocks are freed."""
     before = metric(base, "minillm_requests_total", '{status="499"}')
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 340, "ignore_eos": True,
             "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
         assert len(got) >= 3
         assert metric(base, "minillm_kv_blocks_used") > 0
-    wait_idle(base)
+        steps = llm.engine.num_steps
+    wait_idle(base, timeout=60.0)
+    assert llm.engine.num_steps - steps < 100, "the request ran on after its client left"
     assert metric(base, "minillm_kv_blocks_free") == 24
     deadline = time.time() + 10
     while metric(base, "minillm_requests_total", '{status="499"}') == before:

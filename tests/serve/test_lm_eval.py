@@ -1,0 +1,82 @@
+"""lm-evaluation-harness through the server, offline: ``local-completions`` with the server's own
+tokenizer routes (``tokenizer_backend=remote``) on the two small tasks in benchmarks/lm_eval/.
+
+Each choice's log-likelihood lm-eval reads from the server (echo, logprobs for every prompt
+token) equals the offline engine's (``LLM`` with ``prompt_logprobs``, fp32) within 1e-3, and
+the multiple-choice accuracy equals lm-eval's own ``hf`` backend on the same GGUF file.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_serve import running
+
+import minillm
+from minillm import SamplingParams
+from minillm.serve.api import create_app
+
+lm_eval = pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+TASKS = ["minillm_mc", "minillm_gen"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return minillm.LLM(MODEL, dtype=torch.float32, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def offline(monkeypatch_module):
+    monkeypatch_module.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch_module.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def evaluate(model: str, model_args: str, tasks: list[str]) -> dict:
+    """lm-eval's ``simple_evaluate`` on our task folder, samples kept."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from test_layout import ROOT
+
+    manager = TaskManager(include_path=str(ROOT / "benchmarks" / "lm_eval"))
+    return simple_evaluate(model=model, model_args=model_args, tasks=tasks,
+                           task_manager=manager, log_samples=True, batch_size=1)
+
+
+def engine_loglikelihood(llm, context: str, continuation: str) -> float:
+    """log P(continuation | context) from the offline engine's prompt logprobs, split as lm-eval
+    splits a pair (the context's tokens, then the rest of the whole's)."""
+    whole = llm.tokenizer.encode(context + continuation)
+    ctx = len(llm.tokenizer.encode(context))
+    out = llm.generate([whole], SamplingParams(temperature=0.0, max_tokens=1,
+                                               prompt_logprobs=0), use_tqdm=False)[0]
+    logprobs = out.prompt_logprobs                   # one {token: logprob} per prompt token
+    return sum(logprobs[i][whole[i]] for i in range(ctx, len(whole)))
+
+
+def test_lm_eval_through_the_server_equals_the_offline_engine_and_hf(llm, offline, gguf_path):
+    with running(create_app(llm.engine, MODEL)) as url:
+        ours = evaluate("local-completions",
+                        f"model={MODEL},base_url={url}/v1/completions,"
+                        f"tokenizer_backend=remote,tokenized_requests=True,num_concurrent=1",
+                        TASKS)
+    samples = ours["samples"]["minillm_mc"]
+    assert len(samples) == 20
+    for sample in samples:
+        for (context, continuation), resp in zip(sample["arguments"], sample["resps"]):
+            got = resp[0][0]
+            want = engine_loglikelihood(llm, context, continuation)
+            assert got == pytest.approx(want, abs=1e-3), (context, continuation)
+    gen = ours["samples"]["minillm_gen"]
+    assert len(gen) == 10 and all(isinstance(s["resps"][0][0], str) for s in gen)
+    hf = evaluate("hf", f"pretrained={gguf_path.parent},gguf_file={gguf_path.name},"
+                        f"dtype=float32,device=cpu", ["minillm_mc"])
+    acc = ours["results"]["minillm_mc"]["acc,none"]
+    assert acc == hf["results"]["minillm_mc"]["acc,none"]
