@@ -38,9 +38,12 @@ TESTED_ELSEWHERE = {
     "minillm.parallel.api": "the parallel runs of tests/parallel/ (via minillm.parallel)",
     "minillm.parallel.expert": "expert parallelism in tests/parallel/test_parallel_model.py",
     "minillm.parallel.workers": "the processes of tests/parallel/",
+    "minillm.serve.errors": "every error body in tests/serve/test_serve.py (over HTTP)",
     "minillm.serve.metrics": "GET /metrics in tests/serve/test_serve.py",
     "minillm.serve.protocol": "the request bodies in tests/serve/test_serve.py",
     "minillm.serve.responses": "the response bodies in tests/serve/test_serve.py",
+    "minillm.serve.tokenize": "the tokenizer routes in tests/serve/test_serve.py and "
+                              "test_lm_eval.py (over HTTP)",
     "minillm.spec_decode.inputs": "what every proposer reads: tests/spec_decode/",
     "minillm.spec_decode.training.distill": "the training data of tests/spec_decode/"
                                             "test_spec_train.py",
