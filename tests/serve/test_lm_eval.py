@@ -7,6 +7,8 @@ the multiple-choice accuracy equals lm-eval's own ``hf`` backend on the same GGU
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from test_serve import running
@@ -15,6 +17,9 @@ import minillm
 from minillm import SamplingParams
 from minillm.serve.api import create_app
 
+# Offline before lm-eval (and the datasets library it imports) reads these switches.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 lm_eval = pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.slow
 
@@ -25,18 +30,6 @@ TASKS = ["minillm_mc", "minillm_gen"]
 @pytest.fixture(scope="module")
 def llm():
     return minillm.LLM(MODEL, dtype=torch.float32, max_num_seqs=16)
-
-
-@pytest.fixture(scope="module")
-def offline(monkeypatch_module):
-    monkeypatch_module.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch_module.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
 
 
 def evaluate(model: str, model_args: str, tasks: list[str]) -> dict:
@@ -61,7 +54,7 @@ def engine_loglikelihood(llm, context: str, continuation: str) -> float:
     return sum(logprobs[i][whole[i]] for i in range(ctx, len(whole)))
 
 
-def test_lm_eval_through_the_server_equals_the_offline_engine_and_hf(llm, offline, gguf_path):
+def test_lm_eval_through_the_server_equals_the_offline_engine_and_hf(llm, gguf_path):
     with running(create_app(llm.engine, MODEL)) as url:
         ours = evaluate("local-completions",
                         f"model={MODEL},base_url={url}/v1/completions,"
