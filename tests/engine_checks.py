@@ -64,3 +64,10 @@ def read_in_turn(streams) -> list[str]:
             except StopIteration:
                 live.remove(i)
     return ["".join(p) for p in pieces]
+
+
+@torch.no_grad()
+def full_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the model's logits over the whole sequence ``ids``, no cache: [T, vocab]
+    in float64 (the reference for the engine's logprobs)."""
+    return model(torch.tensor([ids]))[0].double().log_softmax(-1)

@@ -339,3 +339,19 @@ def test_warmup_leaves_the_engine_as_it_was(tiny64):
     got = run_all(engine, prompts, GREEDY)
     assert [o.token_ids for o in got] == alone(model, prompts, GREEDY)
     assert_all_free(engine)
+
+
+def test_trace_is_bounded_hooks_fire_and_stats_are_live(sharp):
+    engine = LLMEngine(sharp, None, EngineConfig(num_kv_blocks=80, trace_steps=5,
+                                                 block_size=4))
+    seen = []
+    engine.step_hooks.append(lambda eng, rec: seen.append((rec.index,
+                                                           eng.blocks._slots_by_scan())))
+    rid = engine.add_request(prompts_of([9])[0], SamplingParams(temperature=0, max_tokens=12,
+                                                                 ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        assert engine.stats().slots_used == engine.blocks._slots_by_scan()
+    assert len(engine.trace) == 5 and [i for i, _ in seen] == list(range(engine.num_steps))
+    assert engine.abort(rid) is False            # finished: a no-op
+    assert_all_free(engine)

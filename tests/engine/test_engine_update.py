@@ -2,9 +2,6 @@
 (no model), and ``ModelRunner.execute`` on a plan (it samples, and writes no sequence)."""
 from __future__ import annotations
 
-import pytest
-from engine_checks import sharp_model
-
 from minillm import SamplingParams
 from minillm.cache.block_manager import BlockManager
 from minillm.engine import EngineConfig, LLMEngine
@@ -107,11 +104,6 @@ def test_beam_step_keeps_the_best_continuations_and_frees_the_rest():
     assert seq.seq_id in done.released and seq.seq_id not in sched.blocks.tables
     assert seq.seq_id in sched.schedule().finished      # the runner hears of dropped beams
     sched.blocks.check()
-
-
-@pytest.fixture(scope="module")
-def sharp():
-    return sharp_model()
 
 
 def test_the_runner_samples_completing_sequences_and_writes_none(sharp):

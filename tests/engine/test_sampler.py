@@ -9,8 +9,10 @@ import math
 
 import pytest
 import torch
+from engine_checks import prompts_of, run_all
 
 from minillm import SamplingParams
+from minillm.engine import EngineConfig, LLMEngine
 from minillm.engine.sampler import SamplingBatch, filtered_probs, prompt_logprobs, sample_rows
 from minillm.sampling import sample
 
@@ -323,3 +325,23 @@ def _batch(rows=2, **kw):
 def test_bad_input_names_the_parameter(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+# ---- through the engine ----------------------------------------------------------------------
+def test_seeded_request_is_the_same_alone_and_in_any_batch(sharp):
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=8, seed=77,
+                            ignore_eos=True)
+    prompt = prompts_of([13], seed=3)[0]
+    alone = run_all(LLMEngine(sharp, None, EngineConfig(num_kv_blocks=80)), [prompt],
+                    seeded)[0].token_ids
+    others = prompts_of([4, 30, 9], seed=8)
+    mix = [GREEDY, SamplingParams(temperature=1.0, max_tokens=5), SamplingParams(
+        temperature=0.7, seed=1, max_tokens=9, ignore_eos=True)]
+    for k in range(len(others) + 1):   # the seeded request at every position of the batch
+        prompts = others[:k] + [prompt] + others[k:]
+        params = mix[:k] + [seeded] + mix[k:]
+        outs = run_all(LLMEngine(sharp, None, EngineConfig(num_kv_blocks=80)), prompts, params)
+        assert outs[k].token_ids == alone
