@@ -2,12 +2,13 @@
 
 - per request: TTFT (arrival to first token), :func:`tpot` (time per output token after the
   first), ITL (the gaps between tokens), end-to-end latency;
-- over a run: :func:`percentile`, :func:`spread` (p50/p90/p99/mean under a prefix), SLO
-  attainment (the share of requests meeting an :class:`SLO`);
+- over a run: :func:`percentile`, :func:`spread` (p50/p90/p99/mean under a prefix), and
+  :func:`slo_attainment`: the share of requests meeting an :class:`SLO` and those requests per
+  second of the run (``slo_met_per_s``; vLLM's ``bench serve`` prints this per-run number as
+  "request goodput");
 - over runs at several rates: :func:`goodput_of`, goodput in DistServe's sense (the highest
-  request rate at which the attainment stays at or above a target, 90% by default). The
-  requests meeting both SLOs per second of a single run (what ``bench serve`` and
-  ``bench disagg`` report per run) is a different number.
+  request rate at which the attainment stays at or above a target, 90% by default). In this
+  package "goodput" means only this.
 """
 from __future__ import annotations
 
@@ -59,6 +60,19 @@ def spread(values: Sequence[float], prefix: str) -> dict[str, float | None]:
     return out
 
 
+def slo_attainment(pairs: Iterable[tuple[float, float]], slo: SLO, num_requests: int,
+                   duration_s: float) -> tuple[float, float]:
+    """(attainment, slo_met_per_s) of one run: ``pairs`` are the (TTFT, TPOT) of its completed
+    requests (s), ``num_requests`` all it sent (a failed request meets no SLO), ``duration_s``
+    the run's span. Attainment is the share of the ``num_requests`` meeting both SLOs
+    (``SLO.met``: at or under each limit); slo_met_per_s those requests per second (0 for an
+    empty span)."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    met = sum(slo.met(ttft, tpot) for ttft, tpot in pairs)
+    return met / num_requests, (met / duration_s if duration_s > 0 else 0.0)
+
+
 def goodput_of(points: Iterable[tuple[float, float]], attainment: float = 0.9) -> float:
     """DistServe's goodput from (rate, attainment) points: the highest rate below the lowest
     one whose attainment misses ``attainment`` (0 if the lowest misses)."""
@@ -70,4 +84,4 @@ def goodput_of(points: Iterable[tuple[float, float]], attainment: float = 0.9) -
     return good
 
 
-__all__ = ["SLO", "goodput_of", "percentile", "spread", "tpot"]
+__all__ = ["SLO", "goodput_of", "percentile", "slo_attainment", "spread", "tpot"]

@@ -11,7 +11,7 @@ client: TTFT (send to first token chunk), ITLs (gaps between token chunks), TPOT
 token) / (tokens - 1), :func:`minillm.serving_metrics.tpot`), end-to-end latency.
 
 Per rate: p50/p90/p99 of each, output tokens/s over the run, failed requests, SLO attainment
-and goodput (requests meeting both SLOs, :class:`minillm.serving_metrics.SLO`, per second);
+and the requests meeting both SLOs (:class:`minillm.serving_metrics.SLO`) per second;
 per server, DistServe's goodput rate (:func:`~minillm.serving_metrics.goodput_of`, the highest
 rate whose attainment is at least 90%). After each rate minillm's ``/metrics`` must show every KV
 block free (recorded). The peers: llama.cpp's OpenAI server (``llama_cpp.server`` from
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from ..runinfo import available_cores, free_port, machine_info
-from ..serving_metrics import SLO, goodput_of, spread, tpot
+from ..serving_metrics import SLO, goodput_of, slo_attainment, spread, tpot
 from ..workloads import poisson_arrivals, sharegpt_like_workload
 from .common import format_table, log_to_stderr, write_report
 from .disagg import SLO_TPOT_S, SLO_TTFT_S
@@ -163,11 +163,13 @@ def completion_body(prompt: str, max_tokens: int, extra: dict) -> dict:
 
 def serve_summary(results: Sequence[RequestResult], slo: SLO) -> dict:
     """Percentiles of TTFT, TPOT, ITL and end-to-end latency (s), throughput, failures,
-    completed requests with fewer tokens than asked (EOS not ignored), SLO attainment and
-    goodput (requests meeting both SLOs per second of the run)."""
+    completed requests with fewer tokens than asked (EOS not ignored), SLO attainment and the
+    requests meeting both SLOs per second of the run
+    (:func:`~minillm.serving_metrics.slo_attainment`)."""
     ok = [r for r in results if r.ok]
     span = (max(r.finish for r in ok) - min(r.arrival for r in results)) if ok else 0.0
-    met = sum(slo.met(r.ttft, r.tpot) for r in ok)
+    attainment, met_per_s = slo_attainment(((r.ttft, r.tpot) for r in ok), slo, len(results),
+                                           span)
     per_s = (lambda x: x / span) if span > 0 else (lambda x: 0.0)
     return {"num_requests": len(results), "completed": len(ok),
             "failed": len(results) - len(ok),
@@ -178,8 +180,8 @@ def serve_summary(results: Sequence[RequestResult], slo: SLO) -> dict:
             **spread([r.e2e for r in ok], "e2e"),
             "output_tokens": sum(r.output_tokens for r in ok),
             "output_tok_s": per_s(sum(r.output_tokens for r in ok)),
-            "request_s": per_s(len(ok)), "attainment": met / len(results),
-            "goodput": per_s(met), "duration_s": span}
+            "request_s": per_s(len(ok)), "attainment": attainment,
+            "slo_met_per_s": met_per_s, "duration_s": span}
 
 
 # ----------------------------------------------------------------------------- servers
@@ -463,12 +465,12 @@ def serve_table(report: dict) -> str:
             rows.append((name, r["rate"], f"{r['completed']}/{r['num_requests']}",
                          r["ttft_p50"] or 0, r["ttft_p99"] or 0, 1e3 * (r["tpot_p50"] or 0),
                          1e3 * (r["tpot_p99"] or 0), 1e3 * (r["itl_p99"] or 0),
-                         r["e2e_p50"] or 0, r["output_tok_s"], r["attainment"], r["goodput"],
+                         r["e2e_p50"] or 0, r["output_tok_s"], r["attainment"], r["slo_met_per_s"],
                          "-" if blocks is None else f"{blocks['used']:.0f}"))
     cols = [("server", "<10"), ("req/s", ">5.2f"), ("ok", ">7"), ("TTFT p50 s", ">10.2f"),
             ("p99", ">6.2f"), ("TPOT p50 ms", ">11.1f"), ("p99", ">6.1f"), ("ITL p99 ms", ">10.1f"),
             ("e2e p50 s", ">9.2f"), ("tok/s", ">7.1f"), ("SLO met", ">7.2f"),
-            ("goodput", ">7.2f"), ("KV used", ">7")]
+            ("SLO met/s", ">9.2f"), ("KV used", ">7")]
     skipped = [f"{n}: {s['skipped']}" for n, s in report["servers"].items() if "skipped" in s]
     return "\n".join([format_table(cols, rows), *skipped, f"vllm: {report['vllm']}"])
 
@@ -476,7 +478,7 @@ def serve_table(report: dict) -> str:
 # ----------------------------------------------------------------------------- command line
 
 HELP = ("the OpenAI server under Poisson load against llama.cpp's server: TTFT, TPOT, ITL, "
-        "goodput per request rate")
+        "SLO attainment per request rate, DistServe's goodput")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

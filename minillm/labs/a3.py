@@ -5,11 +5,11 @@
 - :func:`check_pad_to_captured`: the captured CUDA-graph size a batch runs in, compared with
   :func:`minillm.runtime.pad_to_captured` (including the sizes it must refuse).
 - :func:`check_padding_waste`: the fraction of computed rows that are padding when batches of
-  the given sizes run in the captured graphs.
+  the given sizes run in the captured graphs, compared with :func:`minillm.runtime.padding_waste`.
 - :func:`check_parse_sse`: an OpenAI chat-completion stream (raw ``data:`` lines) folded into
   the final text and usage; cases include lines captured from ``python -m minillm serve``.
-- :func:`check_goodput`: SLO attainment and goodput of one run from per-request TTFT/TPOT,
-  compared with :class:`minillm.serving_metrics.SLO`.
+- :func:`check_slo_attainment`: the share of one run's requests meeting both SLOs and those
+  requests per second, compared with :func:`minillm.serving_metrics.slo_attainment`.
 - :func:`check_poisson_arrivals`: seeded Poisson arrival times, checked by their statistics
   (mean gap 1/rate, exponential spread, first arrival at 0, seeded).
 """
@@ -21,14 +21,14 @@ import random
 import statistics
 from collections.abc import Callable, Sequence
 
-from ..runtime import pad_to_captured
-from ..serving_metrics import SLO
+from ..runtime import pad_to_captured, padding_waste
+from ..serving_metrics import SLO, slo_attainment
 from .common import Result, check
 
 # --- matmul launches per decode step --------------------------------------------------------
 
 
-def matmul_launches(num_layers: int, fused_qkv: bool, fused_gate_up: bool) -> int:
+def _matmul_launches(num_layers: int, fused_qkv: bool, fused_gate_up: bool) -> int:
     """The checker's reference: per layer the attention projections (Q, K, V, O, or QKV and
     O when fused) and the MLP's (gate, up, down, or gate_up and down), plus the LM head."""
     return num_layers * ((2 if fused_qkv else 4) + (2 if fused_gate_up else 3)) + 1
@@ -41,7 +41,7 @@ def check_matmul_launches(fn: Callable) -> Result:
 
     def attempt() -> None:
         for n, q, g in cases:
-            want, got = matmul_launches(n, q, g), fn(n, q, g)
+            want, got = _matmul_launches(n, q, g), fn(n, q, g)
             assert got == want, (f"num_layers={n}, fused_qkv={q}, fused_gate_up={g}: expected "
                                  f"{want} matmuls, got {got}")
 
@@ -86,12 +86,6 @@ def check_pad_to_captured(fn: Callable) -> Result:
                                  f"got {_show(got)}")
 
     return check("pad_to_captured", attempt)
-
-
-def padding_waste(batch_sizes: Sequence[int], sizes: Sequence[int]) -> float:
-    """The checker's reference: padded rows / all rows computed, each batch run in its graph."""
-    run = sum(pad_to_captured(b, sizes) for b in batch_sizes)
-    return (run - sum(batch_sizes)) / run if run else 0.0
 
 
 def check_padding_waste(fn: Callable) -> Result:
@@ -158,17 +152,18 @@ CAPTURED_CHAT_STREAM: tuple[str, ...] = (
 )
 
 
-def _chunk(content=None, role=None, finish=None, usage=None, choices=True) -> str:
+def _chunk(content=None, role=None, finish=None, usage=None, choices=True, index=0,
+           null_usage=False) -> str:
     delta = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
     body = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0,
-            "model": "m", "choices": ([{"index": 0, "delta": delta, "finish_reason": finish}]
+            "model": "m", "choices": ([{"index": index, "delta": delta, "finish_reason": finish}]
                                       if choices else [])}
-    if usage is not None:
+    if usage is not None or null_usage:
         body["usage"] = usage
     return "data: " + json.dumps(body)
 
 
-def parse_sse(lines: Sequence[str]) -> tuple[str, dict | None]:
+def _parse_sse(lines: Sequence[str]) -> tuple[str, dict | None]:
     """The checker's reference: the concatenated ``delta.content`` of choice 0 and the last
     ``usage`` seen; blank lines, comments, other fields and what follows ``[DONE]`` ignored."""
     text, usage = [], None
@@ -200,6 +195,12 @@ def _sse_cases():
         [_chunk("data: [DONE] is text"), _chunk("!"), "data:[DONE]"],
         ["data: [DONE]"],
         [_chunk("é✓"), _chunk(" \n"), _chunk(choices=False, usage=u)],
+        # n = 2: choice 1's text is not choice 0's
+        [_chunk("A", role="assistant"), _chunk("x", index=1), _chunk("B"), _chunk("y", index=1),
+         _chunk(finish="stop"), _chunk(finish="stop", index=1), "data: [DONE]"],
+        # a chunk after the usage chunk with "usage": null keeps the usage
+        [_chunk("hi"), _chunk(choices=False, usage=u), _chunk(finish="stop", null_usage=True),
+         "data: [DONE]"],
     ]
     if CAPTURED_CHAT_STREAM:
         cases.insert(0, list(CAPTURED_CHAT_STREAM))
@@ -215,28 +216,22 @@ def check_parse_sse(fn: Callable) -> Result:
 
     def attempt() -> None:
         for lines in cases:
-            want, got = parse_sse(lines), fn(list(lines))
+            want, got = _parse_sse(lines), fn(list(lines))
             assert tuple(got) == want, (f"lines={[ln[:90] for ln in lines]}: expected "
                                         f"{want}, got {tuple(got)}")
 
     return check("parse_sse", attempt)
 
 
-# --- SLO attainment and goodput -------------------------------------------------------------
+# --- SLO attainment -------------------------------------------------------------
 
 
-def goodput(ttft: Sequence[float], tpot: Sequence[float], slo: SLO, duration_s: float
-            ) -> tuple[float, float]:
-    """The checker's reference: (fraction of requests meeting both SLOs, those per second)."""
-    met = sum(slo.met(a, b) for a, b in zip(ttft, tpot))
-    return met / len(ttft), met / duration_s
-
-
-def check_goodput(fn: Callable) -> Result:
-    """``fn(ttft, tpot, slo, duration_s)`` -> ``(attainment, goodput)``: the fraction of
+def check_slo_attainment(fn: Callable) -> Result:
+    """``fn(ttft, tpot, slo, duration_s)`` -> ``(attainment, slo_met_per_s)``: the fraction of
     requests whose TTFT <= ``slo.ttft_s`` and TPOT <= ``slo.tpot_s`` (a
     :class:`~minillm.serving_metrics.SLO`), and how many such requests per second of the
-    run. Compared with ``SLO.met`` on seeded runs and on requests exactly at the limits."""
+    run. Compared with :func:`minillm.serving_metrics.slo_attainment` on seeded runs and on
+    requests exactly at the limits."""
     rng = random.Random(7)
     slo = SLO(2.0, 0.2)
     cases = [([2.0, 1.0, 3.0], [0.2, 0.25, 0.1], slo, 10.0),
@@ -250,14 +245,15 @@ def check_goodput(fn: Callable) -> Result:
 
     def attempt() -> None:
         for ttft, tpot, s, dur in cases:
-            want, got = goodput(ttft, tpot, s, dur), fn(list(ttft), list(tpot), s, dur)
+            want = slo_attainment(zip(ttft, tpot), s, len(ttft), dur)
+            got = fn(list(ttft), list(tpot), s, dur)
             what = (f"ttft={[round(x, 3) for x in ttft[:6]]}..., "
                     f"tpot={[round(x, 3) for x in tpot[:6]]}..., {s}, duration_s={dur:.2f}")
             assert len(got) == 2 and all(math.isclose(g, w, rel_tol=1e-9, abs_tol=1e-12)
                                          for g, w in zip(got, want)), (
-                f"{what}: expected (attainment, goodput) = {want}, got {tuple(got)}")
+                f"{what}: expected (attainment, slo_met_per_s) = {want}, got {tuple(got)}")
 
-    return check("goodput", attempt)
+    return check("slo_attainment", attempt)
 
 
 # --- Poisson arrivals -----------------------------------------------------------------------
@@ -293,7 +289,6 @@ def check_poisson_arrivals(fn: Callable) -> Result:
     return check("poisson_arrivals", attempt)
 
 
-__all__ = ["CAPTURED_CHAT_STREAM", "check_goodput", "check_matmul_launches",
-           "check_pad_to_captured", "check_padding_waste", "check_parse_sse",
-           "check_poisson_arrivals", "goodput", "matmul_launches", "padding_waste",
-           "parse_sse"]
+__all__ = ["CAPTURED_CHAT_STREAM", "check_matmul_launches", "check_pad_to_captured",
+           "check_padding_waste", "check_parse_sse", "check_poisson_arrivals",
+           "check_slo_attainment"]

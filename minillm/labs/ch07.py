@@ -92,7 +92,7 @@ def check_schedule_step(fn: Callable) -> Result:
 # --- goodput -------------------------------------------------------------------------------
 
 
-def goodput(curve, ttft_slo: float, tpot_slo: float, attainment: float = 0.9) -> float:
+def _goodput(curve, ttft_slo: float, tpot_slo: float, attainment: float = 0.9) -> float:
     """The package's rule on a sweep ``curve`` = [(rate, [(ttft, tpot), ...]), ...]."""
     slo = SLO(ttft_slo, tpot_slo)
     return goodput_of([(rate, sum(slo.met(a, b) for a, b in reqs) / len(reqs))
@@ -106,7 +106,10 @@ def _goodput_cases():
              ([(1.0, [(0.1, 0.01)] * 10), (2.0, [(0.1, 0.01)] * 8 + [(0.5, 0.01)] * 2)], 0.2,
               0.05, 0.9),
              ([(2.0, [(0.3, 0.01)] * 4), (1.0, [(0.1, 0.01)] * 4)], 0.2, 0.05, 0.9),
-             ([(1.0, [(0.3, 0.01)] * 4)], 0.2, 0.05, 0.5)]
+             ([(1.0, [(0.3, 0.01)] * 4)], 0.2, 0.05, 0.5),
+             # requests exactly at an SLO meet it
+             ([(1.0, [(0.2, 0.05)] * 10), (2.0, [(0.2, 0.01)] * 10), (3.0, [(0.5, 0.5)] * 10)],
+              0.2, 0.05, 0.9)]
     for _ in range(60):
         curve = []
         for k in range(rng.randint(1, 6)):
@@ -128,7 +131,7 @@ def check_goodput(fn: Callable) -> Result:
 
     def attempt() -> None:
         for curve, a, b, att in cases:
-            want = goodput(curve, a, b, att)
+            want = _goodput(curve, a, b, att)
             got = float(fn([(r, list(q)) for r, q in curve], a, b, att))
             short = [(r, len(q)) for r, q in curve]
             assert abs(got - want) < 1e-9, (

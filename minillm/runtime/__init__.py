@@ -2,8 +2,8 @@
 for static shapes, then compiled with ``torch.compile`` or captured as CUDA graphs
 (``decoder``). The OpenAI-compatible server is ``minillm.serve``."""
 from ..engine.graphs import capture_sizes
-from .decoder import StaticDecoder, pad_to_captured
+from .decoder import StaticDecoder, pad_to_captured, padding_waste
 from .profile import DecodeProfile, categorize, profile_decode, profile_engine_steps
 
 __all__ = ["DecodeProfile", "StaticDecoder", "capture_sizes", "categorize", "pad_to_captured",
-           "profile_decode", "profile_engine_steps"]
+           "padding_waste", "profile_decode", "profile_engine_steps"]

@@ -42,6 +42,14 @@ def pad_to_captured(n: int, sizes: Sequence[int]) -> int:
     return min(fits)
 
 
+def padding_waste(batch_sizes: Sequence[int], sizes: Sequence[int]) -> float:
+    """The share of the rows computed that are padding when each decode step of the given
+    ``batch_sizes`` runs in the graph of :func:`pad_to_captured` over ``sizes``: padded rows /
+    all rows computed (0 for no steps)."""
+    run = sum(pad_to_captured(b, sizes) for b in batch_sizes)
+    return (run - sum(batch_sizes)) / run if run else 0.0
+
+
 class StaticDecoder:
     """Prefill (eager) and decode steps (eager, compiled or replayed) over a static KV cache.
 

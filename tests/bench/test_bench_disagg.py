@@ -14,7 +14,7 @@ def test_summary_counts_only_requests_meeting_both_slos():
            RequestRecord("2", 2.0, 4, 2.2, 8.2, 11)]     # TPOT 0.6: slow
     s = disagg_summary(rec, slo_ttft=2.0, slo_tpot=0.2)
     assert s["attainment"] == pytest.approx(1 / 3)
-    assert s["goodput"] == pytest.approx(1 / 8.2)
+    assert s["slo_met_per_s"] == pytest.approx(1 / 8.2)
     assert s["ttft_mean"] == pytest.approx((0.5 + 3.0 + 0.2) / 3)
     assert s["output_tok_s"] == pytest.approx(33 / 8.2)
 

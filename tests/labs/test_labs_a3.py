@@ -8,14 +8,15 @@ from lab_checks import checker_tests
 
 from minillm.labs import a3
 from minillm.labs.solutions.a3 import (
-    goodput,
     matmul_launches,
     pad_to_captured,
     padding_waste,
     parse_sse,
     poisson_arrivals,
+    slo_attainment,
 )
 from minillm.runtime import pad_to_captured as package_pad
+from minillm.runtime import padding_waste as package_waste
 from minillm.workloads import poisson_arrivals as package_arrivals
 
 # --- plausible mistakes ----------------------------------------------------------------------
@@ -64,12 +65,41 @@ def parse_sse_no_usage_chunk(lines):
     return text, usage
 
 
-def goodput_either_slo(ttft, tpot, slo, duration_s):
+def parse_sse_every_choice(lines):
+    """Joins the text of every choice, not only choice 0's (wrong once n > 1)."""
+    text, usage = "", None
+    for line in lines:
+        data = line[5:].strip() if line.startswith("data:") else ""
+        if data == "[DONE]":
+            break
+        if data:
+            event = json.loads(data)
+            text += "".join(c["delta"].get("content") or "" for c in event["choices"])
+            usage = event.get("usage") or usage
+    return text, usage
+
+
+def parse_sse_later_null_usage_wipes(lines):
+    """Takes the usage field of every chunk that has one, null included."""
+    text, usage = "", None
+    for line in lines:
+        data = line[5:].strip() if line.startswith("data:") else ""
+        if data == "[DONE]":
+            break
+        if data:
+            event = json.loads(data)
+            text += "".join(c["delta"].get("content") or "" for c in event["choices"]
+                            if c["index"] == 0)
+            usage = event["usage"] if "usage" in event else usage
+    return text, usage
+
+
+def attainment_either_slo(ttft, tpot, slo, duration_s):
     met = sum(a <= slo.ttft_s or b <= slo.tpot_s for a, b in zip(ttft, tpot))
     return met / len(ttft), met / duration_s
 
 
-def goodput_strict(ttft, tpot, slo, duration_s):
+def attainment_strict(ttft, tpot, slo, duration_s):
     """A request exactly at the limit counted as a miss."""
     met = sum(a < slo.ttft_s and b < slo.tpot_s for a, b in zip(ttft, tpot))
     return met / len(ttft), met / duration_s
@@ -97,23 +127,27 @@ CHECKS = [(a3.check_matmul_launches, matmul_launches, launches_without_lm_head),
           (a3.check_padding_waste, padding_waste, waste_over_real_rows),
           (a3.check_parse_sse, parse_sse, parse_sse_text_after_done),
           (a3.check_parse_sse, parse_sse, parse_sse_no_usage_chunk),
-          (a3.check_goodput, goodput, goodput_either_slo),
-          (a3.check_goodput, goodput, goodput_strict),
+          (a3.check_parse_sse, parse_sse, parse_sse_every_choice),
+          (a3.check_parse_sse, parse_sse, parse_sse_later_null_usage_wipes),
+          (a3.check_slo_attainment, slo_attainment, attainment_either_slo),
+          (a3.check_slo_attainment, slo_attainment, attainment_strict),
           (a3.check_poisson_arrivals, poisson_arrivals, uniform_gaps),
           (a3.check_poisson_arrivals, poisson_arrivals, rate_as_mean_gap)]
 test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = checker_tests(
     CHECKS, ids=["launches-no-lm-head", "pad-first-fit", "pad-no-refusal", "waste-over-real",
-                 "sse-after-done", "sse-usage-chunk", "goodput-or", "goodput-strict",
+                 "sse-after-done", "sse-usage-chunk", "sse-every-choice", "sse-null-usage-wipes",
+                 "attainment-or", "attainment-strict",
                  "poisson-uniform", "poisson-rate-as-gap"])
 
 
 def test_package_versions_pass_their_checkers():
     assert a3.check_pad_to_captured(package_pad).passed is True
     assert a3.check_poisson_arrivals(package_arrivals).passed is True
+    assert a3.check_padding_waste(package_waste).passed is True
 
 
 def test_captured_stream_is_a_real_server_stream():
-    text, usage = a3.parse_sse(a3.CAPTURED_CHAT_STREAM)
+    text, usage = a3._parse_sse(a3.CAPTURED_CHAT_STREAM)
     assert text and usage["completion_tokens"] > 0
     assert [ln for ln in a3.CAPTURED_CHAT_STREAM if ln][-1] == "data: [DONE]"
     assert any('"choices": []' in ln for ln in a3.CAPTURED_CHAT_STREAM)   # the usage-only chunk
@@ -124,9 +158,9 @@ def test_checker_references_agree_with_the_keys():
     for _ in range(100):
         sizes = sorted(rng.sample(range(1, 40), rng.randint(1, 5)))
         batches = [rng.randint(1, max(sizes)) for _ in range(rng.randint(1, 8))]
-        assert abs(a3.padding_waste(batches, sizes) - padding_waste(batches, sizes)) < 1e-12
+        assert abs(package_waste(batches, sizes) - padding_waste(batches, sizes)) < 1e-12
     for lines in a3._sse_cases():
-        assert a3.parse_sse(lines) == parse_sse(lines)
+        assert a3._parse_sse(lines) == parse_sse(lines)
 
 
 # --- the chapter's data and plots ----------------------------------------------------------------

@@ -7,13 +7,6 @@ from minillm.labs.solutions.ch07 import (
     schedule_step,
 )
 
-# --- reference solutions (the teacher's key) -------------------------------------------------
-
-
-
-
-
-
 # --- wrong solutions ---------------------------------------------------------------------
 
 
@@ -55,6 +48,12 @@ def either_slo(curve, ttft_slo, tpot_slo, attainment):
                          for a, b in q]) for r, q in curve], ttft_slo, tpot_slo, attainment)
 
 
+def strict_slo(curve, ttft_slo, tpot_slo, attainment):
+    """A request exactly at an SLO counted as a miss (< instead of <=)."""
+    return goodput([(r, [(a, b) if (a < ttft_slo and b < tpot_slo) else (1e9, 1e9)
+                         for a, b in q]) for r, q in curve], ttft_slo, tpot_slo, attainment)
+
+
 def todo(*_):
     raise NotImplementedError
 
@@ -77,4 +76,5 @@ def test_goodput():
     assert ch07.check_goodput(goodput).passed is True
     assert ch07.check_goodput(best_passing_rate).passed is False
     assert ch07.check_goodput(either_slo).passed is False
+    assert ch07.check_goodput(strict_slo).passed is False
     assert ch07.check_goodput(todo).passed is None

@@ -44,7 +44,7 @@ def parse_sse(lines):
     return text, usage
 
 
-def goodput(ttft, tpot, slo, duration_s):
+def slo_attainment(ttft, tpot, slo, duration_s):
     met = sum(a <= slo.ttft_s and b <= slo.tpot_s for a, b in zip(ttft, tpot))
     return met / len(ttft), met / duration_s
 
@@ -62,6 +62,6 @@ KEY = [
     (a3.check_pad_to_captured, pad_to_captured),
     (a3.check_padding_waste, padding_waste),
     (a3.check_parse_sse, parse_sse),
-    (a3.check_goodput, goodput),
+    (a3.check_slo_attainment, slo_attainment),
     (a3.check_poisson_arrivals, poisson_arrivals),
 ]
