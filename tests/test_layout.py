@@ -25,13 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "minillm"
 
 # The layers, bottom up (a unit is a package or a top-level module of minillm; two subpackages
-# are units of their own: training code that serving never imports, and the labs' solutions).
+# are units of their own: training code that serving never imports, and the labs' solutions;
+# so are the labs' grader and its command line, which read the solutions the checkers never do).
 CORE = ("config", "device", "runinfo", "sampling", "kernels", "attention", "model", "cache",
         "checkpoint", "evaluate", "generate", "engine")
 TECHNIQUES = ("spec_decode", "spec_decode.training", "parallel", "disagg", "quant", "train",
               "serve", "runtime")
 TOOLING = ("workloads", "serving_metrics", "driver")
-MATERIAL = ("course", "viz", "bench", "labs", "labs.solutions", "cli", "__main__", "minillm")
+MATERIAL = ("course", "viz", "bench", "labs", "labs.solutions", "labs.grade", "labs.__main__",
+            "cli", "__main__", "minillm")
 
 # What each unit may import (besides itself). Anything else is a layering error.
 ALLOWED: dict[str, set[str]] = {
@@ -73,6 +75,8 @@ ALLOWED: dict[str, set[str]] = {
              "evaluate", "model", "parallel", "quant", "runtime", "sampling",
              "serving_metrics", "spec_decode", "train"},
     "labs.solutions": {"cache", "checkpoint", "course", "device", "labs"},
+    "labs.grade": {"labs.solutions"},
+    "labs.__main__": {"labs.grade"},
     "cli": {"bench", "checkpoint", "config", "generate", "serve"},
     "__main__": {"cli"},
     # the top: the public API, and the techniques that register themselves with the core
