@@ -15,11 +15,16 @@ from typing import Any
 
 import torch
 
+from ..attention.paged import PagedMetadata
 from ..cache.block_manager import BlockManager, blocks_for
-from ..config import SamplingParams
+from ..checkpoint import random_model
+from ..config import SamplingParams, get_preset
+from ..engine import EngineConfig, LLMEngine
 from ..engine.outputs import EngineStats
+from ..engine.plan import ScheduledSeq, SchedulerOutput
 from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..engine.sequence import Request, Status
+from ..model.transformer import Transformer
 from .common import Result, check
 
 
@@ -304,5 +309,182 @@ def check_paged_attention(fn: Callable[..., torch.Tensor]) -> Result:
     return check("paged_attention", attempt)
 
 
-__all__ = ["check_block_manager", "check_blocks_needed", "check_fcfs_admit", "check_kv_waste",
-           "check_paged_attention", "check_schedule_step"]
+# --- the student's code inside the engine ----------------------------------------------------
+
+
+class FunctionStep(Scheduler):
+    """The engine's scheduler with each step's decisions taken by ``decide``, a function with
+    exercise 5's contract: ``decide(running, waiting, num_free_blocks, block_size,
+    max_num_seqs, max_batched_tokens) -> (decoded, admitted, preempted)``. This class carries
+    them out: preempted requests by recompute (blocks freed, back to the queue), decoded ones
+    one token each, admitted ones whole. Chunked prefill off; one sequence per request."""
+
+    decide: Callable[..., tuple] = staticmethod(lambda *args: ([], [], []))
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished=self._finished)
+        self._finished = []
+        running, waiting = self._sorted(self.running), self._sorted(self.waiting)
+        decoded, admitted, preempted = (list(x) for x in self.decide(
+            [r.seqs[0].num_computed for r in running], [r.seqs[0].num_tokens for r in waiting],
+            self.blocks.num_free, self.blocks.block_size, self.config.max_num_seqs,
+            self.config.max_num_batched_tokens))
+        if sorted(decoded + preempted) != list(range(len(running))):
+            raise ValueError(f"schedule_step: every running request must be decoded or "
+                             f"preempted once; got decoded={decoded}, preempted={preempted} for "
+                             f"{len(running)} running")
+        if len(set(admitted)) != len(admitted) or not set(admitted) <= set(range(len(waiting))):
+            raise ValueError(f"schedule_step: admitted={admitted} must be distinct indices "
+                             f"into the {len(waiting)} waiting requests")
+        for i in preempted:
+            self._preempt(running[i], out)
+        self.running = []
+        for req in [running[i] for i in decoded] + [waiting[j] for j in admitted]:
+            seq = req.seqs[0]
+            if req.status is Status.WAITING:
+                self.blocks.allocate(seq.seq_id, seq.num_tokens)
+                self.waiting.remove(req)
+                req.status = Status.RUNNING
+            else:
+                out.copies += self.blocks.reserve(seq.seq_id, seq.num_tokens)
+            out.seqs.append(ScheduledSeq(seq, seq.num_uncomputed))
+            out.requests.append(req)
+            self.running.append(req)
+        return out
+
+
+class FunctionAttention:
+    """The engine's paged attention backend computed by ``fn``, a function with exercise 4's
+    contract (``fn(q, k_cache, v_cache, block_table, seq_len)`` -> [T, H, D], one sequence,
+    as many KV heads as query heads), called once per sequence per layer per step. The
+    adapter hands ``fn`` the sequence's own blocks of the pool, each KV head repeated for its
+    query heads (grouped-query attention), in a shuffled order with the matching table."""
+
+    name, reads_direct, cpu_fast_path = "exercise", False, False
+
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+        self.fn, self.gen = fn, torch.Generator().manual_seed(0)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: PagedMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        group = q.shape[1] // k_cache.shape[2]
+        for s, (start, t) in enumerate(zip(meta.starts, meta.q_lens)):
+            seq_len = int(meta.seq_lens[s])
+            n = blocks_for(seq_len, meta.block_size)
+            own = meta.block_tables[s, :n].long()
+            order = torch.randperm(n, generator=self.gen)       # where each block now sits
+            blocks_k = torch.empty_like(k_cache[own]).index_copy_(0, order, k_cache[own])
+            blocks_v = torch.empty_like(v_cache[own]).index_copy_(0, order, v_cache[own])
+            out[start:start + t] = self.fn(
+                q[start:start + t], blocks_k.repeat_interleave(group, dim=2),
+                blocks_v.repeat_interleave(group, dim=2), order.tolist(), seq_len)
+        return out
+
+
+def _demo_model() -> Transformer:
+    """The tiny preset with seeded random weights in float64 (the checks' default model)."""
+    return random_model(get_preset("tiny"), seed=1).double()
+
+
+def _demo_prompts(n: int = 12) -> tuple[list[list[int]], list[int]]:
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(5, 40, (n,), generator=g).tolist()
+    return ([torch.randint(5, 2000, (m,), generator=g).tolist() for m in lens],
+            torch.randint(4, 24, (n,), generator=g).tolist())
+
+
+def _serve(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    """Every prompt through ``engine`` at once, greedy: tokens per request, steps, seconds,
+    preemptions; raises AssertionError unless every KV block is free at the end."""
+    import time
+
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+           for p, m in zip(prompts, output_lens)]
+    done, t0, steps = {}, time.perf_counter(), 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        steps += 1
+    seconds = time.perf_counter() - t0
+    failed = [o.request_id for o in done.values() if o.outputs[0].finish_reason == "error"]
+    assert not failed, f"requests {failed} failed: {done[failed[0]].error}"
+    free, total = engine.blocks.num_free, engine.blocks.num_blocks
+    assert free == total, f"{total - free} KV blocks still in use after every request finished"
+    return {"tokens": [done[i].token_ids for i in ids], "steps": steps, "seconds": seconds,
+            "preemptions": sum(done[i].metrics.num_preemptions for i in ids)}
+
+
+def _same_tokens(mine: dict, ref: dict) -> None:
+    for i, (a, b) in enumerate(zip(mine["tokens"], ref["tokens"])):
+        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert a == b, (f"request {i}: token {first} is {a[first:first + 1]}, the package's "
+                        f"engine gives {b[first:first + 1]} ({len(a)} vs {len(b)} tokens)")
+
+
+def check_schedule_step_in_engine(fn: Callable[..., tuple], model: Transformer | None = None,
+                                  prompts: list[list[int]] | None = None,
+                                  output_lens: list[int] | None = None, num_kv_blocks: int = 24,
+                                  block_size: int = 4) -> Result:
+    """Exercise 5's ``schedule_step`` schedules a real engine (:class:`FunctionStep`): every
+    prompt at once, greedy, into a pool of ``num_kv_blocks`` (small enough to preempt), on
+    ``model`` (default: the tiny preset, random weights, float64). Passes when every request
+    gets the package engine's tokens in as many steps with as many preemptions (at least one),
+    and every block is free at the end; prints both runs' steps and seconds."""
+    model = model or _demo_model()
+    if prompts is None:
+        prompts, output_lens = _demo_prompts()
+    opts = dict(num_kv_blocks=num_kv_blocks, block_size=block_size, watermark=0.0,
+                enable_chunked_prefill=False, preemption="recompute")
+    step = type("StudentStep", (FunctionStep,), {"decide": staticmethod(fn)})
+
+    def attempt() -> None:
+        fn([], [1], 10, block_size, 4, 64)          # a stub raises NotImplementedError here
+        ref = _serve(LLMEngine(model, None, EngineConfig(**opts)), prompts, output_lens)
+        mine = _serve(LLMEngine(model, None, EngineConfig(scheduler_cls=step, **opts)),
+                      prompts, output_lens)
+        _same_tokens(mine, ref)
+        assert (mine["steps"], mine["preemptions"]) == (ref["steps"], ref["preemptions"]), (
+            f"the same tokens, but {mine['steps']} steps and {mine['preemptions']} preemptions "
+            f"where the package's scheduler took {ref['steps']} and {ref['preemptions']}")
+        assert mine["preemptions"] > 0, "no request was preempted: the pool was large enough"
+        print(f"your schedule_step: {mine['steps']} steps, {mine['seconds']:.2f} s, "
+              f"{mine['preemptions']} preemptions; the package's: {ref['steps']} steps, "
+              f"{ref['seconds']:.2f} s, {ref['preemptions']} preemptions")
+
+    return check("schedule_step_in_engine", attempt)
+
+
+def check_paged_attention_in_engine(fn: Callable[..., torch.Tensor],
+                                    model: Transformer | None = None,
+                                    prompts: list[list[int]] | None = None,
+                                    output_lens: list[int] | None = None,
+                                    block_size: int = 4) -> Result:
+    """Exercise 4's ``paged_attention`` is the engine's attention backend
+    (:class:`FunctionAttention`): every layer of every prefill and decode step. Passes when
+    every request gets the tokens of the engine with its own backend (sdpa) on ``model``
+    (default: the tiny preset, random weights, float64) and every block is free at the end;
+    prints both runs' seconds."""
+    model = model or _demo_model()
+    if prompts is None:
+        prompts, output_lens = _demo_prompts(4)
+    opts = dict(num_kv_blocks=64, block_size=block_size)
+
+    def attempt() -> None:
+        ref = _serve(LLMEngine(model, None, EngineConfig(attention_backend="sdpa", **opts)),
+                     prompts, output_lens)
+        mine = _serve(LLMEngine(model, None, EngineConfig(attention_backend=FunctionAttention(
+            fn), **opts)), prompts, output_lens)
+        _same_tokens(mine, ref)
+        print(f"your paged attention served {sum(map(len, mine['tokens']))} tokens in "
+              f"{mine['seconds']:.2f} s; the package's sdpa backend {ref['seconds']:.2f} s")
+
+    return check("paged_attention_in_engine", attempt)
+
+
+__all__ = ["FunctionAttention", "FunctionStep", "check_block_manager", "check_blocks_needed",
+           "check_fcfs_admit", "check_kv_waste", "check_paged_attention",
+           "check_paged_attention_in_engine", "check_schedule_step",
+           "check_schedule_step_in_engine"]

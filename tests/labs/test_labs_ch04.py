@@ -89,6 +89,31 @@ def paged_attention_whole_blocks(q, k_cache, v_cache, block_table, seq_len):
     return torch.einsum("htl,lhd->thd", scores.masked_fill(future, float("-inf")).softmax(-1), v)
 
 
+def schedule_never_preempting(running, waiting, num_free_blocks, block_size, max_num_seqs,
+                              max_batched_tokens):
+    """Decodes every running request whether or not a block is free (the pool runs dry)."""
+    decoded, admitted, _ = key.schedule_step(running, waiting, 10**6, block_size, max_num_seqs,
+                                             max_batched_tokens)
+    return list(range(len(running))), admitted if not running else [], []
+
+
+def schedule_forgetting_a_request(running, waiting, num_free_blocks, block_size, max_num_seqs,
+                                  max_batched_tokens):
+    """Leaves the newest running request out of the step without preempting it."""
+    decoded, admitted, preempted = key.schedule_step(running, waiting, num_free_blocks,
+                                                     block_size, max_num_seqs,
+                                                     max_batched_tokens)
+    return decoded[:-1] if len(decoded) > 2 else decoded, admitted, preempted
+
+
+def paged_attention_not_causal(q, k_cache, v_cache, block_table, seq_len):
+    """Every query attends to all seq_len positions, its own future included."""
+    k = k_cache[torch.tensor(block_table)].flatten(0, 1)[:seq_len]
+    v = v_cache[torch.tensor(block_table)].flatten(0, 1)[:seq_len]
+    scores = torch.einsum("thd,lhd->htl", q, k) / q.shape[-1] ** 0.5
+    return torch.einsum("htl,lhd->thd", scores.softmax(-1), v)
+
+
 CHECKS = [
     (ch04.check_blocks_needed, key.blocks_needed, blocks_floor),
     (ch04.check_fcfs_admit, key.fcfs_admit, fcfs_skipping),
@@ -99,10 +124,17 @@ CHECKS = [
     (ch04.check_block_manager, key.MiniBlockManager, BlockManagerForkCopies),
     (ch04.check_paged_attention, key.paged_attention, paged_attention_contiguous),
     (ch04.check_paged_attention, key.paged_attention, paged_attention_whole_blocks),
+    (ch04.check_schedule_step_in_engine, key.schedule_step, schedule_preempting_oldest),
+    (ch04.check_schedule_step_in_engine, key.schedule_step, schedule_never_preempting),
+    (ch04.check_schedule_step_in_engine, key.schedule_step, schedule_forgetting_a_request),
+    (ch04.check_paged_attention_in_engine, key.paged_attention, paged_attention_contiguous),
+    (ch04.check_paged_attention_in_engine, key.paged_attention, paged_attention_not_causal),
 ]
 IDS = ["blocks_needed", "fcfs_admit", "kv_waste", "schedule_preempts_oldest",
        "schedule_admits_after_preemption", "block_manager_no_cow", "block_manager_fork_copies",
-       "paged_attention_contiguous", "paged_attention_whole_blocks"]
+       "paged_attention_contiguous", "paged_attention_whole_blocks", "engine_preempts_oldest",
+       "engine_never_preempts", "engine_forgets_a_request", "engine_attention_contiguous",
+       "engine_attention_not_causal"]
 
 
 test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = \

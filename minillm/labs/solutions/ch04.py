@@ -126,4 +126,6 @@ KEY = [
     (ch04.check_schedule_step, schedule_step),
     (ch04.check_block_manager, MiniBlockManager),
     (ch04.check_paged_attention, paged_attention),
+    (ch04.check_schedule_step_in_engine, schedule_step),
+    (ch04.check_paged_attention_in_engine, paged_attention),
 ]
