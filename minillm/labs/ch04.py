@@ -17,8 +17,7 @@ import torch
 
 from ..attention.paged import PagedMetadata
 from ..cache.block_manager import BlockManager, blocks_for
-from ..checkpoint import random_model
-from ..config import SamplingParams, get_preset
+from ..config import SamplingParams
 from ..engine import EngineConfig, LLMEngine
 from ..engine.outputs import EngineStats
 from ..engine.plan import ScheduledSeq, SchedulerOutput
@@ -26,6 +25,7 @@ from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..engine.sequence import Request, Status
 from ..model.transformer import Transformer
 from .common import Result, check
+from .in_engine import assert_same_tokens, demo_model, demo_prompts, serve_greedy
 
 
 def check_blocks_needed(fn: Callable[[int, int], int]) -> Result:
@@ -383,47 +383,6 @@ class FunctionAttention:
         return out
 
 
-def _demo_model() -> Transformer:
-    """The tiny preset with seeded random weights in float64 (the checks' default model)."""
-    return random_model(get_preset("tiny"), seed=1).double()
-
-
-def _demo_prompts(n: int = 12) -> tuple[list[list[int]], list[int]]:
-    g = torch.Generator().manual_seed(3)
-    lens = torch.randint(5, 40, (n,), generator=g).tolist()
-    return ([torch.randint(5, 2000, (m,), generator=g).tolist() for m in lens],
-            torch.randint(4, 24, (n,), generator=g).tolist())
-
-
-def _serve(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int]) -> dict:
-    """Every prompt through ``engine`` at once, greedy: tokens per request, steps, seconds,
-    preemptions; raises AssertionError unless every KV block is free at the end."""
-    import time
-
-    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
-           for p, m in zip(prompts, output_lens)]
-    done, t0, steps = {}, time.perf_counter(), 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-        steps += 1
-    seconds = time.perf_counter() - t0
-    failed = [o.request_id for o in done.values() if o.outputs[0].finish_reason == "error"]
-    assert not failed, f"requests {failed} failed: {done[failed[0]].error}"
-    free, total = engine.blocks.num_free, engine.blocks.num_blocks
-    assert free == total, f"{total - free} KV blocks still in use after every request finished"
-    return {"tokens": [done[i].token_ids for i in ids], "steps": steps, "seconds": seconds,
-            "preemptions": sum(done[i].metrics.num_preemptions for i in ids)}
-
-
-def _same_tokens(mine: dict, ref: dict) -> None:
-    for i, (a, b) in enumerate(zip(mine["tokens"], ref["tokens"])):
-        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        assert a == b, (f"request {i}: token {first} is {a[first:first + 1]}, the package's "
-                        f"engine gives {b[first:first + 1]} ({len(a)} vs {len(b)} tokens)")
-
-
 def check_schedule_step_in_engine(fn: Callable[..., tuple], model: Transformer | None = None,
                                   prompts: list[list[int]] | None = None,
                                   output_lens: list[int] | None = None, num_kv_blocks: int = 24,
@@ -433,19 +392,19 @@ def check_schedule_step_in_engine(fn: Callable[..., tuple], model: Transformer |
     ``model`` (default: the tiny preset, random weights, float64). Passes when every request
     gets the package engine's tokens in as many steps with as many preemptions (at least one),
     and every block is free at the end; prints both runs' steps and seconds."""
-    model = model or _demo_model()
+    model = model or demo_model()
     if prompts is None:
-        prompts, output_lens = _demo_prompts()
+        prompts, output_lens = demo_prompts()
     opts = dict(num_kv_blocks=num_kv_blocks, block_size=block_size, watermark=0.0,
                 enable_chunked_prefill=False, preemption="recompute")
     step = type("StudentStep", (FunctionStep,), {"decide": staticmethod(fn)})
 
     def attempt() -> None:
         fn([], [1], 10, block_size, 4, 64)          # a stub raises NotImplementedError here
-        ref = _serve(LLMEngine(model, None, EngineConfig(**opts)), prompts, output_lens)
-        mine = _serve(LLMEngine(model, None, EngineConfig(scheduler_cls=step, **opts)),
+        ref = serve_greedy(LLMEngine(model, None, EngineConfig(**opts)), prompts, output_lens)
+        mine = serve_greedy(LLMEngine(model, None, EngineConfig(scheduler_cls=step, **opts)),
                       prompts, output_lens)
-        _same_tokens(mine, ref)
+        assert_same_tokens(mine, ref)
         assert (mine["steps"], mine["preemptions"]) == (ref["steps"], ref["preemptions"]), (
             f"the same tokens, but {mine['steps']} steps and {mine['preemptions']} preemptions "
             f"where the package's scheduler took {ref['steps']} and {ref['preemptions']}")
@@ -467,17 +426,17 @@ def check_paged_attention_in_engine(fn: Callable[..., torch.Tensor],
     every request gets the tokens of the engine with its own backend (sdpa) on ``model``
     (default: the tiny preset, random weights, float64) and every block is free at the end;
     prints both runs' seconds."""
-    model = model or _demo_model()
+    model = model or demo_model()
     if prompts is None:
-        prompts, output_lens = _demo_prompts(4)
+        prompts, output_lens = demo_prompts(4)
     opts = dict(num_kv_blocks=64, block_size=block_size)
 
     def attempt() -> None:
-        ref = _serve(LLMEngine(model, None, EngineConfig(attention_backend="sdpa", **opts)),
+        ref = serve_greedy(LLMEngine(model, None, EngineConfig(attention_backend="sdpa", **opts)),
                      prompts, output_lens)
-        mine = _serve(LLMEngine(model, None, EngineConfig(attention_backend=FunctionAttention(
+        mine = serve_greedy(LLMEngine(model, None, EngineConfig(attention_backend=FunctionAttention(
             fn), **opts)), prompts, output_lens)
-        _same_tokens(mine, ref)
+        assert_same_tokens(mine, ref)
         print(f"your paged attention served {sum(map(len, mine['tokens']))} tokens in "
               f"{mine['seconds']:.2f} s; the package's sdpa backend {ref['seconds']:.2f} s")
 

@@ -1,0 +1,64 @@
+"""Running a student's component inside the real engine: the shared pieces of the in-engine
+checks (``check_*_in_engine`` in the chapter modules).
+
+A chapter's adapter turns the student's function or class into one of the engine's seams (a
+step policy, an attention backend, a prefix cache, a verification rule, ...; see
+``minillm.engine.EngineConfig``); :func:`serve_greedy` then runs a workload through an engine
+built with it and one built without it, and :func:`assert_same_tokens` compares the two.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..checkpoint import random_model
+from ..config import SamplingParams, get_preset
+from ..engine import LLMEngine
+from ..model.transformer import Transformer
+
+
+def demo_model() -> Transformer:
+    """The tiny preset with seeded random weights in float64: the in-engine checks' default
+    model (float64, so that a different batching never flips a greedy token)."""
+    return random_model(get_preset("tiny"), seed=1).double()
+
+
+def demo_prompts(n: int = 12) -> tuple[list[list[int]], list[int]]:
+    """``n`` seeded random prompts of 5-39 tokens and output lengths of 4-23 tokens."""
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(5, 40, (n,), generator=g).tolist()
+    return ([torch.randint(5, 2000, (m,), generator=g).tolist() for m in lens],
+            torch.randint(4, 24, (n,), generator=g).tolist())
+
+
+def serve_greedy(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    """Every prompt through ``engine`` at once, greedy: tokens per request, steps, seconds,
+    preemptions; raises AssertionError unless every KV block is free at the end."""
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+           for p, m in zip(prompts, output_lens)]
+    done, t0, steps = {}, time.perf_counter(), 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        steps += 1
+    seconds = time.perf_counter() - t0
+    failed = [o.request_id for o in done.values() if o.outputs[0].finish_reason == "error"]
+    assert not failed, f"requests {failed} failed: {done[failed[0]].error}"
+    free, total = engine.blocks.num_free, engine.blocks.num_blocks
+    assert free == total, f"{total - free} KV blocks still in use after every request finished"
+    return {"tokens": [done[i].token_ids for i in ids], "steps": steps, "seconds": seconds,
+            "preemptions": sum(done[i].metrics.num_preemptions for i in ids)}
+
+
+def assert_same_tokens(mine: dict, ref: dict) -> None:
+    """AssertionError naming the first request and token where two :func:`serve_greedy` runs
+    differ."""
+    for i, (a, b) in enumerate(zip(mine["tokens"], ref["tokens"])):
+        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert a == b, (f"request {i}: token {first} is {a[first:first + 1]}, the package's "
+                        f"engine gives {b[first:first + 1]} ({len(a)} vs {len(b)} tokens)")
+
+
+__all__ = ["assert_same_tokens", "demo_model", "demo_prompts", "serve_greedy"]
