@@ -72,7 +72,7 @@ ALLOWED: dict[str, set[str]] = {
               "evaluate", "generate", "model", "quant", "runinfo", "runtime",
               "serving_metrics", "spec_decode", "viz", "workloads"},
     "labs": {"attention", "cache", "checkpoint", "config", "course", "device", "engine",
-             "evaluate", "model", "parallel", "quant", "runtime", "sampling",
+             "evaluate", "generate", "model", "parallel", "quant", "runtime", "sampling",
              "serving_metrics", "spec_decode", "train"},
     "labs.solutions": {"cache", "checkpoint", "course", "device", "labs"},
     "labs.grade": {"labs.solutions"},

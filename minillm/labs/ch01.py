@@ -5,12 +5,19 @@ real text or seeded random inputs of several shapes, prints a one-line verdict a
 :class:`~minillm.labs.common.Result` (``passed`` is None while the function still raises
 NotImplementedError). In notebook order: bpe_encode, top_p, rmsnorm, rope, causal_attention,
 mha_to_gqa, moe.
+
+Two of them are builds that then run inside the model: after its own cases, ``check_rmsnorm``
+computes every RMSNorm of a model with the student's function and ``check_causal_attention``
+makes the student's function every layer's attention, and the model must then generate the
+greedy tokens of the unmodified model (:func:`assert_runs_in_model`).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
+from torch import nn
 
 from ..attention import reference_attention
 from ..checkpoint.loader import smollm2_tokenizer
@@ -18,8 +25,16 @@ from ..checkpoint.tokenizer import Tokenizer
 from ..course.ch01_variants import MultiHeadAttention, mha_to_gqa
 from ..model.layers import RMSNorm, apply_rope, rope_cos_sin
 from ..model.moe import MoEFeedForward
+from ..model.transformer import Transformer
 from ..sampling import apply_top_p
 from .common import Result, check
+from .in_engine import (
+    assert_same_tokens,
+    demo_model,
+    demo_prompts,
+    full_precision,
+    generate_greedy,
+)
 
 # Real text for the tokenizer: several merges in one word, contractions, digits, code, accents,
 # CJK, an emoji, runs of spaces, tabs and newlines, and the empty string.
@@ -89,12 +104,18 @@ def check_bpe_encode(fn: Callable[[str], list[int]], tok: Tokenizer | None = Non
     return check("bpe_encode", attempt)
 
 
-def check_rmsnorm(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> Result:
+def check_rmsnorm(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+                  model: Transformer | None = None, prompts: list[list[int]] | None = None,
+                  output_lens: list[int] | None = None, tok: Tokenizer | None = None) -> Result:
     """``fn(x, weight, eps)`` -> RMSNorm of x [..., D] over the last axis, times weight [D].
 
     Statistics in float32, result in x's dtype (as :class:`minillm.model.RMSNorm`). Inputs:
     float32, float64, float16 and bfloat16; tiny inputs where eps matters, and an all-zero row
-    that must come out as zeros, not NaN.
+    that must come out as zeros, not NaN. Then ``fn`` computes every RMSNorm of ``model``
+    (default: the tiny preset, random weights, float64; :func:`rmsnorm_replaced`), which must
+    generate the unmodified model's greedy tokens after each of ``prompts`` (default: three
+    seeded random prompts) and give its logits (:func:`assert_runs_in_model`): a function that
+    normalises its input in place fails here, since that input is the residual stream.
     """
     gen = torch.Generator().manual_seed(1)
     cases = [((4, 16), torch.float32, 1e-5, 1.0), ((2, 7, 64), torch.float32, 1e-6, 1e-3),
@@ -118,6 +139,7 @@ def check_rmsnorm(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor
             got = fn(x.clone(), weight.clone(), eps)
             case = f"x {tuple(shape)} {str(dtype).replace('torch.', '')}, eps={eps:g}"
             _compare(got, want, case, atol=tol[dtype], rtol=tol[dtype])
+        _in_model(lambda m: rmsnorm_replaced(m, fn), "RMSNorm", model, prompts, output_lens, tok)
 
     return check("rmsnorm", attempt)
 
@@ -150,13 +172,21 @@ def check_rope(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) 
 
 
 def check_causal_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
-                                        torch.Tensor]) -> Result:
+                                        torch.Tensor],
+                           model: Transformer | None = None,
+                           prompts: list[list[int]] | None = None,
+                           output_lens: list[int] | None = None,
+                           tok: Tokenizer | None = None) -> Result:
     """``fn(q, k, v)`` -> causal attention output [B, H, T, d].
 
     q [B, H, T, d]; k, v [B, H_kv, L, d] with L >= T and H a multiple of H_kv. The T queries are
     the last T of the L positions (the first L - T are in a KV cache), so query i sees keys
     0 .. L - T + i. Query head h reads KV head h // (H / H_kv). Compared with
-    :func:`minillm.attention.reference_attention`.
+    :func:`minillm.attention.reference_attention`. Then ``fn`` is every layer's attention in
+    ``model`` (default: the tiny preset, random weights, float64; :func:`attention_replaced`),
+    which must generate the unmodified model's greedy tokens after each of ``prompts``
+    (default: three seeded random prompts) through its KV cache, and give its logits without
+    a cache (:func:`assert_runs_in_model`); the result must be in the model's dtype.
     """
     gen = torch.Generator().manual_seed(3)
     # (B, H, H_kv, T, L, d)
@@ -172,6 +202,8 @@ def check_causal_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tenso
             got = fn(q.clone(), k.clone(), v.clone())
             _compare(got, want, f"q {tuple(q.shape)}, k/v {tuple(k.shape)}",
                      atol=1e-5, rtol=1e-4)
+        _in_model(lambda m: attention_replaced(m, fn), "attention", model, prompts, output_lens,
+                  tok)
 
     return check("causal_attention", attempt)
 
@@ -296,5 +328,130 @@ def check_moe(fn: Callable[[torch.Tensor, MoEFeedForward], tuple[torch.Tensor, t
     return check("moe", attempt)
 
 
-__all__ = ["BPE_TEXTS", "check_bpe_encode", "check_causal_attention", "check_mha_to_gqa",
-           "check_moe", "check_rmsnorm", "check_rope", "check_top_p"]
+# --- the student's code inside the model ----------------------------------------------------
+
+
+def _assert_like(out, x: torch.Tensor, what: str, name: str) -> None:
+    """AssertionError unless the student's ``out`` is a tensor of ``x``'s shape and dtype (the
+    model runs on it next)."""
+    assert isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == x.dtype, (
+        f"inside the model your {what} returned "
+        + (f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor)
+           else type(out).__name__)
+        + f" for {name} {tuple(x.shape)} {x.dtype}; it must match {name}'s shape and dtype")
+
+
+class FunctionRMSNorm(nn.Module):
+    """One RMSNorm of the model computed by ``fn(x, weight, eps)`` (exercise 3's contract) with
+    that module's weight and eps. ``fn`` gets a copy of the weight, so it cannot change the
+    model's."""
+
+    def __init__(self, norm: RMSNorm, fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.weight, self.eps, self.fn = norm.weight, norm.eps, fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fn(x, self.weight.detach().clone(), self.eps)
+        _assert_like(out, x, "RMSNorm", "x")
+        return out
+
+
+@contextmanager
+def rmsnorm_replaced(model: Transformer, fn: Callable[..., torch.Tensor]) -> Iterator[int]:
+    """Inside the ``with`` block every RMSNorm module of ``model`` (two per layer, the final
+    norm, and the QK-norms of models that have them) is a :class:`FunctionRMSNorm` of ``fn``;
+    they are put back on exit. Yields how many were replaced."""
+    found = [(parent, name, child) for parent in model.modules()
+             for name, child in parent.named_children() if type(child) is RMSNorm]
+    for parent, name, child in found:
+        setattr(parent, name, FunctionRMSNorm(child, fn))
+    try:
+        yield len(found)
+    finally:
+        for parent, name, child in found:
+            setattr(parent, name, child)
+
+
+@contextmanager
+def attention_replaced(model: Transformer, fn: Callable[..., torch.Tensor]) -> Iterator[int]:
+    """Inside the ``with`` block ``fn`` (exercise 5's contract, that of
+    :data:`minillm.attention.AttentionFn`: q [B, H, T, d], k/v [B, H_kv, L, d] -> [B, H, T, d])
+    is every layer's attention function (``layer.attn.backend``, the seam
+    ``Transformer.set_attention_backend`` uses): a pass without a cache calls it with T = L,
+    :func:`minillm.generate.generate` with the whole prompt over an empty cache and then with
+    T = 1 over the cached keys at every decode step. The layers' own functions are put back on
+    exit. Yields the number of layers."""
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = fn(q, k, v)
+        _assert_like(out, q, "attention", "q")
+        return out
+
+    saved = [layer.attn.backend for layer in model.layers]
+    for layer in model.layers:
+        layer.attn.backend = attention
+    try:
+        yield len(saved)
+    finally:
+        for layer, backend in zip(model.layers, saved):
+            layer.attn.backend = backend
+
+
+def _in_model(replace: Callable[[Transformer], AbstractContextManager[int]], what: str,
+              model: Transformer | None, prompts: list[list[int]] | None,
+              output_lens: list[int] | None, tok: Tokenizer | None) -> None:
+    """:func:`assert_runs_in_model` with the checkers' defaults: the demo model and three
+    seeded random prompts; a 16-bit model is checked as a float32 copy (:func:`full_precision`)."""
+    model = full_precision(model or demo_model())
+    if prompts is None:
+        prompts, output_lens = demo_prompts(3)
+    if output_lens is None:
+        raise ValueError("output_lens must be given with prompts: one length per prompt")
+    assert_runs_in_model(model, prompts, output_lens, lambda: replace(model), what, tok)
+
+
+# Largest |logit difference| allowed, relative to the largest |logit|, by the model's dtype
+LOGIT_RTOL = {torch.float64: 1e-6, torch.float32: 1e-3}
+
+
+@torch.inference_mode()
+def _uncached_logits(model: Transformer, prompts: list[list[int]],
+                     continuations: list[list[int]]) -> list[torch.Tensor]:
+    """Logits [T, vocab] of one forward pass without a cache over each prompt + continuation."""
+    return [model(torch.tensor([p + c], device=model.device))[0]
+            for p, c in zip(prompts, continuations)]
+
+
+def assert_runs_in_model(model: Transformer, prompts: list[list[int]], output_lens: list[int],
+                         replaced: Callable[[], AbstractContextManager[int]], what: str,
+                         tok: Tokenizer | None = None) -> None:
+    """Raise AssertionError unless ``model`` with the student's part in place (inside the
+    ``with replaced()`` block) generates the same greedy tokens as without it, and gives the
+    same logits (within :data:`LOGIT_RTOL`) in one uncached pass over each prompt and the
+    package's continuation. Prints both runs' seconds, and with ``tok`` the first prompt's
+    continuation."""
+    ref = generate_greedy(model, prompts, output_lens)
+    want = _uncached_logits(model, prompts, ref["tokens"])
+    with replaced() as places:
+        mine = generate_greedy(model, prompts, output_lens)
+        got = _uncached_logits(model, prompts, ref["tokens"])
+    assert_same_tokens(mine, ref)
+    err = 0.0
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert isinstance(g, torch.Tensor) and g.shape == w.shape and not g.isnan().any(), (
+            f"prompt {i}: the model's logits with your {what} are not a tensor of shape "
+            f"{tuple(w.shape)} without NaN")
+        rel = ((g.double() - w.double()).abs().max() / w.double().abs().max()).item()
+        err = max(err, rel)
+        assert rel <= LOGIT_RTOL.get(model.dtype, 5e-2), (
+            f"prompt {i}: the same greedy tokens, but the logits of an uncached pass differ by "
+            f"{rel:.1e} of their largest value")
+    text = (f": {tok.decode(prompts[0])!r} -> {tok.decode(mine['tokens'][0])!r}"
+            if tok is not None else "")
+    print(f"the model with your {what} in {places} places generated the package's "
+          f"{sum(map(len, mine['tokens']))} greedy tokens in {mine['seconds']:.2f} s (unmodified: "
+          f"{ref['seconds']:.2f} s), logits off by at most {err:.1g} of the largest{text}")
+
+
+__all__ = ["BPE_TEXTS", "LOGIT_RTOL", "FunctionRMSNorm", "assert_runs_in_model",
+           "attention_replaced", "check_bpe_encode", "check_causal_attention", "check_mha_to_gqa",
+           "check_moe", "check_rmsnorm", "check_rope", "check_top_p", "rmsnorm_replaced"]

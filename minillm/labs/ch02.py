@@ -3,6 +3,12 @@
 Each ``check_*`` takes the student's function or class, compares it with the package on a few
 cases, prints a one-line verdict and returns a :class:`~minillm.labs.common.Result` (``passed``
 is None while the exercise still raises NotImplementedError).
+
+Three are builds that then run inside the model: the student's decode step computes every
+attention of a model while :func:`minillm.generate.generate` runs it
+(:class:`FunctionDecodeCache`), their cache class is the cache ``generate`` fills, and their H2O
+eviction step decides what an H2O cache keeps while a model reads a text
+(:class:`FunctionH2OCache`, which the chapter's perplexity table then uses).
 """
 from __future__ import annotations
 
@@ -10,13 +16,16 @@ from collections.abc import Callable
 
 import torch
 
-from ..attention import attention_with_lse, causal_mask
+from ..attention import AttentionFn, attention_with_lse, causal_mask
 from ..cache import Cache, H2OCache, KVCache, SinkCache, SlidingWindowCache
 from ..checkpoint.loader import random_model
-from ..config import PRESETS
+from ..checkpoint.tokenizer import Tokenizer
+from ..config import PRESETS, ModelConfig
 from ..course.ch02_kv_memory import TABLE_MODELS, MLASpec, kv_cache_bytes
 from ..evaluate import visible_keys
+from ..model.transformer import Transformer
 from .common import Result, check
+from .in_engine import assert_same_tokens, demo_model, demo_prompts, full_precision, generate_greedy
 
 
 def check_kv_bytes(fn: Callable[..., int]) -> Result:
@@ -69,13 +78,20 @@ def check_score_entries(fn: Callable[[int], tuple[int, int]]) -> Result:
     return check("score_entries", attempt)
 
 
-def check_cache_append(cls: type) -> Result:
+def check_cache_append(cls: type, model: Transformer | None = None,
+                       prompts: list[list[int]] | None = None,
+                       output_lens: list[int] | None = None,
+                       tok: Tokenizer | None = None) -> Result:
     """``cls(cfg, batch_size, max_len, device, dtype)``: a :class:`~minillm.cache.Cache`
     subclass whose ``update(layer, k, v)`` stores the new K/V and returns everything so far.
 
-    Two tests: ``update`` returns the same tensors as the package's :class:`KVCache` when
-    chunks of random K/V of several lengths arrive; and a small random model reading a sequence
-    in chunks through the cache gives the logits it gives with no cache at all.
+    Three tests: ``update`` returns the same tensors as the package's :class:`KVCache` when
+    chunks of random K/V of several lengths arrive; a small random model reading a sequence
+    in chunks through the cache gives the logits it gives with no cache at all; and
+    :func:`minillm.generate.generate` with the cache (``cache_factory``) continues each of
+    ``prompts`` on ``model`` (default: the tiny preset, random weights, float64, and three
+    seeded random prompts, whose prefills are longer than two doublings of a small buffer)
+    with the greedy tokens it gives with a :class:`KVCache`.
     """
     cfg = PRESETS["tiny"].with_(vocab_size=512)
     chunks = (5, 1, 1, 7, 1, 3)
@@ -102,15 +118,17 @@ def check_cache_append(cls: type) -> Result:
             ref.advance(t)
             assert len(mine) == len(ref), f"len(cache) is {len(mine)}, expected {len(ref)}"
 
-        model = random_model(cfg, seed=1)
+        net = random_model(cfg, seed=1)
         ids = torch.randint(0, cfg.vocab_size, (batch, total), generator=gen)
         with torch.inference_mode():
-            want = model(ids)
+            want = net(ids)
             cache = cls(cfg, batch, total, "cpu", torch.float32)
-            got = torch.cat([model(part, cache=cache) for part in ids.split(list(chunks), 1)], 1)
+            got = torch.cat([net(part, cache=cache) for part in ids.split(list(chunks), 1)], 1)
         err = (got - want).abs().max().item()
         assert err < 1e-4, (f"a model reading {total} tokens in chunks {chunks} through the cache "
                             f"differs from the uncached model by {err:.2e} (max |logit diff|)")
+        _generate_through(lambda m, n: CheckedCache(cls(m.cfg, 1, n, m.device, m.dtype)),
+                          f"{cls.__name__} as its cache", model, prompts, output_lens, tok)
 
     return check("cache_append", attempt)
 
@@ -144,7 +162,10 @@ def check_sliding_window(fn: Callable[[int, int, int], list[int]]) -> Result:
     return check("sliding_window", attempt)
 
 
-def check_decode_attention(fn: Callable) -> Result:
+def check_decode_attention(fn: Callable, model: Transformer | None = None,
+                           prompts: list[list[int]] | None = None,
+                           output_lens: list[int] | None = None,
+                           tok: Tokenizer | None = None) -> Result:
     """``fn(q, k_new, v_new, k_cache, v_cache)`` -> (out, k_cache, v_cache): one decode step of
     one attention layer with a KV cache. q [B, H, 1, hd] is the new token's query, k_new/v_new
     [B, H_kv, 1, hd] its key and value, k_cache/v_cache [B, H_kv, L, hd] the L tokens before it
@@ -154,6 +175,10 @@ def check_decode_attention(fn: Callable) -> Result:
 
     Fed a sequence token by token from empty caches, the outputs must equal causal attention
     over the whole sequence at once (float64), and the caches must hold the keys in order.
+    Then ``fn`` computes every attention of ``model`` (default: the tiny preset, random weights,
+    float64) while :func:`minillm.generate.generate` continues each of ``prompts`` (default:
+    three seeded random prompts), prompts included (:class:`FunctionDecodeCache`): the greedy
+    tokens must be the ones the package's cache and attention give.
     """
     shapes = ((1, 1, 1, 5, 4), (2, 4, 2, 7, 8), (1, 6, 1, 4, 16), (1, 9, 3, 1, 8))
 
@@ -180,6 +205,9 @@ def check_decode_attention(fn: Callable) -> Result:
                 assert err < 1e-10, (
                     f"{case}, step {i}: output differs from causal attention over the whole "
                     f"sequence by {err:.2e}")
+        _generate_through(lambda m, n: FunctionDecodeCache(m.cfg, fn),
+                          "decode_attention computing every attention", model, prompts,
+                          output_lens, tok)
 
     return check("decode_attention", attempt)
 
@@ -197,7 +225,8 @@ def _h2o_case(gen: torch.Generator, b: int, h_kv: int, length: int, t: int):
     return score, pos, end
 
 
-def check_h2o_keep(fn: Callable) -> Result:
+def check_h2o_keep(fn: Callable, model: Transformer | None = None,
+                   ids: list[int] | None = None) -> Result:
     """``fn(score, pos, end, budget, n_recent)`` -> indices [B, H_kv, budget] (long) into the
     last axis of score/pos [B, H_kv, L] (L > budget): the tokens one H2O eviction step keeps,
     in position order. ``end`` is the position after the newest token. Keep the ``n_recent``
@@ -205,11 +234,18 @@ def check_h2o_keep(fn: Callable) -> Result:
     tokens of highest accumulated attention score, per head.
 
     Compared with the package's :class:`~minillm.cache.H2OCache` on random caches, then used
-    inside an H2O cache while a small random model reads a text: the same tokens must stay.
+    inside an H2O cache (:class:`FunctionH2OCache`, budget 8, 3 recent) while ``model``
+    (default: a small random one; a 16-bit model as a float32 copy, where ties between scores
+    are rarer) reads the first 40 of ``ids`` (default: random tokens) in passes of 6, 1 and up
+    to 5 tokens: every layer must keep the same tokens as the package's cache after every
+    pass.
     """
     cases = ((1, 2, 10, 6, 3, 1), (2, 3, 12, 8, 0, 1), (1, 1, 9, 8, 8, 4), (1, 3, 20, 5, 2, 5),
              (2, 2, 7, 1, 1, 1))
     cfg = PRESETS["tiny"].with_(vocab_size=512)
+    chunks = [6] + [1] * 20 + [3, 5, 1, 4, 1]
+    if ids is not None and len(ids) < sum(chunks):
+        raise ValueError(f"ids must hold at least {sum(chunks)} tokens, got {len(ids)}")
 
     def attempt() -> None:
         gen = torch.Generator().manual_seed(3)
@@ -224,23 +260,23 @@ def check_h2o_keep(fn: Callable) -> Result:
                 f"{case}: kept positions {pos.gather(2, got.long())[0, 0].tolist()} in head 0, "
                 f"expected {pos.gather(2, want)[0, 0].tolist()}")
 
-        class StudentH2O(H2OCache):
-            def _keep(self, score, pos, end):
-                return fn(score, pos, end, self.budget, self.n_recent).long()
-
-        model = random_model(cfg, seed=4)
-        ids = torch.randint(0, cfg.vocab_size, (1, 40), generator=gen)
-        chunks = [6] + [1] * 20 + [3, 5, 1, 4, 1]
-        mine, ref = StudentH2O(cfg, 8, 3), H2OCache(cfg, 8, 3)
+        net = random_model(cfg, seed=4) if model is None else full_precision(model)
+        text = (torch.randint(0, cfg.vocab_size, (1, sum(chunks)), generator=gen) if ids is None
+                else torch.tensor([ids[:sum(chunks)]]))
+        mine = FunctionH2OCache(net.cfg, 8, 3, fn)
+        ref = H2OCache(net.cfg, 8, 3)
         with torch.inference_mode():
-            for part in ids.split(chunks, dim=1):
-                model(part, cache=mine)
-                model(part, cache=ref)
-                for layer in range(cfg.n_layers):
+            for part in text.to(net.device).split(chunks, dim=1):
+                net(part, cache=mine)
+                net(part, cache=ref)
+                for layer in range(net.cfg.n_layers):
                     assert torch.equal(mine.kept_positions(layer), ref.kept_positions(layer)), (
-                        f"a model reading 40 tokens: after {ref.seen} tokens, layer {layer} "
-                        f"keeps {mine.kept_positions(layer)[0, 0].tolist()} (head 0), "
+                        f"a model reading {sum(chunks)} tokens: after {ref.seen} tokens, layer "
+                        f"{layer} keeps {mine.kept_positions(layer)[0, 0].tolist()} (head 0), "
                         f"expected {ref.kept_positions(layer)[0, 0].tolist()}")
+        print(f"your h2o_keep chose the tokens an H2O cache (budget 8, 3 recent) keeps in all "
+              f"{net.cfg.n_layers} layers and {net.cfg.n_kv_heads} KV heads while the model read "
+              f"{sum(chunks)} tokens in {len(chunks)} passes: the package's choice every time")
 
     return check("h2o_keep", attempt)
 
@@ -266,3 +302,123 @@ def check_visible_keys(fn: Callable[[int, int, int, int], torch.Tensor]) -> Resu
                                f", expected {want[i].nonzero().flatten().tolist()}")
 
     return check("visible_keys", attempt)
+
+
+# --- the student's code inside the model ----------------------------------------------------
+
+
+def _assert_tensor(x, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
+    """AssertionError naming ``what`` unless x is a tensor of that shape and dtype."""
+    assert isinstance(x, torch.Tensor) and tuple(x.shape) == shape and x.dtype == dtype, (
+        f"{what} "
+        + (f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__)
+        + f", expected {shape} {dtype}")
+
+
+class FunctionDecodeCache(Cache):
+    """A KV cache for :func:`minillm.generate.generate` (``cache_factory``) whose attention is
+    ``fn``, exercise 2's decode step ``fn(q, k_new, v_new, k_cache, v_cache)`` ->
+    (out, k_cache, v_cache). A forward pass over T tokens, the prompt's prefill included,
+    calls it T times in each layer, one token after the other, and keeps the caches it
+    returns: what the model attends to is exactly what ``fn`` appended and computed."""
+
+    def __init__(self, cfg: ModelConfig, fn: Callable[..., tuple]) -> None:
+        self.fn, self.seen = fn, 0
+        self.k: list[torch.Tensor | None] = [None] * cfg.n_layers
+        self.v: list[torch.Tensor | None] = [None] * cfg.n_layers
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_fn: AttentionFn | None = None) -> torch.Tensor:
+        """q [B, H, T, hd], k/v [B, H_kv, T, hd] -> [B, H, T, hd]; ``attn_fn`` (the layer's
+        own attention) is not used."""
+        k_cache = k[:, :, :0] if self.k[layer] is None else self.k[layer]
+        v_cache = v[:, :, :0] if self.v[layer] is None else self.v[layer]
+        outs = []
+        for i in range(q.shape[2]):
+            where = f"inside the model, layer {layer}, position {self.seen + i}: decode_attention"
+            cached = (*k.shape[:2], k_cache.shape[2] + 1, k.shape[3])
+            out, k_cache, v_cache = self.fn(q[:, :, i:i + 1], k[:, :, i:i + 1],
+                                            v[:, :, i:i + 1], k_cache, v_cache)
+            _assert_tensor(out, (*q.shape[:2], 1, q.shape[3]), q.dtype, f"{where} returned out")
+            _assert_tensor(k_cache, cached, k.dtype, f"{where} returned k_cache")
+            _assert_tensor(v_cache, cached, v.dtype, f"{where} returned v_cache")
+            outs.append(out)
+        self.k[layer], self.v[layer] = k_cache, v_cache
+        return torch.cat(outs, dim=2)
+
+    def __len__(self) -> int:
+        return self.seen
+
+
+class CheckedCache(Cache):
+    """The student's cache as the model uses it, with every ``update`` checked: it must return
+    keys and values [B, H_kv, seen + T, hd] in the new keys' dtype."""
+
+    def __init__(self, cache: Cache) -> None:
+        self.cache = cache
+
+    @property
+    def seen(self) -> int:
+        return self.cache.seen
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        where = f"inside the model, after {self.seen} + {k.shape[2]} tokens, layer {layer}: update"
+        try:
+            got = self.cache.update(layer, k, v)
+        except (AssertionError, NotImplementedError):
+            raise
+        except Exception as e:  # noqa: BLE001 - reported with where it happened
+            raise AssertionError(f"{where} raised {type(e).__name__}: {e}") from e
+        assert isinstance(got, tuple) and len(got) == 2, f"{where} must return (keys, values)"
+        want = (*k.shape[:2], self.seen + k.shape[2], k.shape[3])
+        _assert_tensor(got[0], want, k.dtype, f"{where} returned keys")
+        _assert_tensor(got[1], want, v.dtype, f"{where} returned values")
+        return got
+
+    def advance(self, t: int) -> None:
+        self.cache.advance(t)
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+
+class FunctionH2OCache(H2OCache):
+    """The package's :class:`~minillm.cache.H2OCache` (its scores, attention and storage) with
+    every eviction step decided by ``fn``, exercise 6's ``h2o_keep(score, pos, end, budget,
+    n_recent)`` -> indices [B, H_kv, budget] of the tokens that stay, in position order."""
+
+    def __init__(self, cfg: ModelConfig, budget: int, n_recent: int, fn: Callable) -> None:
+        super().__init__(cfg, budget, n_recent)
+        self.fn = fn
+
+    def _keep(self, score: torch.Tensor, pos: torch.Tensor, end: int) -> torch.Tensor:
+        idx = self.fn(score, pos, end, self.budget, self.n_recent)
+        shape = (*score.shape[:-1], self.budget)
+        assert isinstance(idx, torch.Tensor) and tuple(idx.shape) == shape, (
+            "inside the H2O cache, h2o_keep returned "
+            + (f"shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor)
+               else type(idx).__name__) + f" for {tuple(score.shape)} scores, expected {shape}")
+        return idx.long()
+
+
+def _generate_through(make_cache: Callable[[Transformer, int], Cache], what: str,
+                      model: Transformer | None, prompts: list[list[int]] | None,
+                      output_lens: list[int] | None, tok: Tokenizer | None) -> None:
+    """AssertionError unless :func:`minillm.generate.generate` with the cache
+    ``make_cache(model, max_len)`` continues every prompt with the greedy tokens it gives with
+    its own :class:`KVCache`; prints both runs' seconds, and with ``tok`` the first prompt's
+    continuation. Defaults: the demo model and three seeded random prompts; a 16-bit model is
+    checked as a float32 copy (:func:`~minillm.labs.ch01.full_precision`)."""
+    model = full_precision(model or demo_model())
+    if prompts is None:
+        prompts, output_lens = demo_prompts(3)
+    if output_lens is None:
+        raise ValueError("output_lens must be given with prompts: one length per prompt")
+    ref = generate_greedy(model, prompts, output_lens)
+    mine = generate_greedy(model, prompts, output_lens, lambda n: make_cache(model, n))
+    assert_same_tokens(mine, ref)
+    text = (f": {tok.decode(prompts[0])!r} -> {tok.decode(mine['tokens'][0])!r}"
+            if tok is not None else "")
+    print(f"generate with your {what} gave the package's {sum(map(len, mine['tokens']))} greedy "
+          f"tokens in {mine['seconds']:.2f} s (the package's KVCache: {ref['seconds']:.2f} s)"
+          f"{text}")

@@ -8,13 +8,17 @@ built with it and one built without it, and :func:`assert_same_tokens` compares 
 """
 from __future__ import annotations
 
+import copy
 import time
+from collections.abc import Callable
 
 import torch
 
+from ..cache import Cache
 from ..checkpoint import random_model
 from ..config import SamplingParams, get_preset
 from ..engine import LLMEngine
+from ..generate import generate
 from ..model.transformer import Transformer
 
 
@@ -57,8 +61,31 @@ def assert_same_tokens(mine: dict, ref: dict) -> None:
     differ."""
     for i, (a, b) in enumerate(zip(mine["tokens"], ref["tokens"])):
         first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        assert a == b, (f"request {i}: token {first} is {a[first:first + 1]}, the package's "
-                        f"engine gives {b[first:first + 1]} ({len(a)} vs {len(b)} tokens)")
+        assert a == b, (f"request {i}: token {first} is {a[first:first + 1]}, the package "
+                        f"gives {b[first:first + 1]} ({len(a)} vs {len(b)} tokens)")
 
 
-__all__ = ["assert_same_tokens", "demo_model", "demo_prompts", "serve_greedy"]
+def full_precision(model: Transformer) -> Transformer:
+    """``model`` itself when it computes in float32 or float64, else a float32 copy of it (the
+    in-model checks run on it): in a 16-bit format two right implementations may round a near
+    tie differently and pick different greedy tokens."""
+    if model.dtype in (torch.float32, torch.float64):
+        return model
+    return copy.deepcopy(model).float()
+
+
+def generate_greedy(model: Transformer, prompts: list[list[int]], output_lens: list[int],
+                    cache_factory: Callable[[int], Cache] | None = None) -> dict:
+    """Each prompt's greedy continuation of ``output_lens`` tokens by
+    :func:`minillm.generate.generate` (a prefill into a KV cache made by ``cache_factory``,
+    default the package's :class:`~minillm.cache.KVCache`, then one token per forward pass),
+    and the seconds they took in all: {"tokens": [[int]], "seconds": float}, the shape
+    :func:`~minillm.labs.in_engine.assert_same_tokens` compares."""
+    t0 = time.perf_counter()
+    tokens = [generate(model, p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                       cache_factory) for p, n in zip(prompts, output_lens)]
+    return {"tokens": tokens, "seconds": time.perf_counter() - t0}
+
+
+__all__ = ["assert_same_tokens", "demo_model", "demo_prompts", "full_precision",
+           "generate_greedy", "serve_greedy"]

@@ -62,6 +62,11 @@ def rmsnorm_fp32_out(x, weight, eps):  # forgets to return x's dtype
     return weight.float() * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def rmsnorm_in_place(x, weight, eps):  # saves a copy by scaling its input: the residual stream
+    scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.mul_(scale.to(x.dtype))
+
+
 def rope_interleaved(x, positions, theta):  # rotates (2i, 2i+1) pairs, llama.cpp's layout
     d = x.shape[-1]
     freq = theta ** (-torch.arange(0, d, 2).float() / d)
@@ -103,6 +108,10 @@ def attention_wrong_grouping(q, k, v):  # query head h reads KV head h % H_kv
     group = q.shape[1] // k.shape[1]
     return key.causal_attention(q, k, v) if group == 1 else key.causal_attention(
         q, k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1))
+
+
+def attention_in_float32(q, k, v):  # softmax in float32 for stability, never cast back
+    return key.causal_attention(q.float(), k.float(), v.float())
 
 
 def top_p_drops_top_token(logits, p):
@@ -162,6 +171,7 @@ CHECKS = [
     (ch01.check_rmsnorm, key.rmsnorm, rmsnorm_mean_not_square),
     (ch01.check_rmsnorm, key.rmsnorm, rmsnorm_std),
     (ch01.check_rmsnorm, key.rmsnorm, rmsnorm_fp32_out),
+    (ch01.check_rmsnorm, key.rmsnorm, rmsnorm_in_place),  # right values; fails in the model
     (ch01.check_rope, key.rope, rope_interleaved),
     (ch01.check_rope, key.rope, rope_wrong_sign),
     (ch01.check_rope, key.rope, rope_ignores_positions),
@@ -169,6 +179,7 @@ CHECKS = [
     (ch01.check_causal_attention, key.causal_attention, attention_top_left_mask),
     (ch01.check_causal_attention, key.causal_attention, attention_no_scale),
     (ch01.check_causal_attention, key.causal_attention, attention_wrong_grouping),
+    (ch01.check_causal_attention, key.causal_attention, attention_in_float32),  # in the model
     (ch01.check_top_p, key.top_p, top_p_drops_top_token),
     (ch01.check_top_p, key.top_p, top_p_unsorted),
     (ch01.check_top_p, key.top_p, top_p_renormalised),
@@ -208,3 +219,60 @@ def test_sampling_filter_plot_counts_the_kept_tokens():
     logits = torch.arange(50, dtype=torch.float32).flip(0)      # token 0 most likely
     fig = plot_sampling_filter(logits, [f"t{i}" for i in range(8)], temperature=1.0, top_k=3)
     assert "3 of 50 tokens" in fig.axes[0].get_title()
+
+
+@pytest.mark.parametrize("wrong, says", [(rmsnorm_in_place, "request"),
+                                         (attention_in_float32, "float32")],
+                         ids=["rmsnorm_in_place", "attention_in_float32"])
+def test_right_values_wrong_in_the_model(wrong, says):
+    """These pass every case on their own; only the model running on them shows the mistake."""
+    checker = ch01.check_rmsnorm if wrong is rmsnorm_in_place else ch01.check_causal_attention
+    result = checker(wrong)
+    assert result.passed is False and says in result.message, result.message
+
+
+def test_the_model_gets_its_own_parts_back():
+    from minillm.labs.in_engine import demo_model
+    from minillm.model import RMSNorm
+
+    model = demo_model()
+    backends = [layer.attn.backend for layer in model.layers]
+
+    def crash(*args):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError), ch01.rmsnorm_replaced(model, crash) as n:
+        assert n == 2 * model.cfg.n_layers + 1
+        model(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(RuntimeError), ch01.attention_replaced(model, crash) as n:
+        assert n == model.cfg.n_layers
+        model(torch.tensor([[1, 2, 3]]))
+    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, ch01.FunctionRMSNorm))]
+    assert len(norms) == 2 * model.cfg.n_layers + 1 and all(type(m) is RMSNorm for m in norms)
+    assert [layer.attn.backend for layer in model.layers] == backends
+
+
+class DigitsTokenizer:
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def test_in_model_run_prints_the_text_and_both_times(capsys):
+    result = ch01.check_causal_attention(key.causal_attention, prompts=[[1, 2, 3]],
+                                         output_lens=[4], tok=DigitsTokenizer())
+    assert result.passed is True, result.message
+    out = capsys.readouterr().out
+    assert "in 2 places generated the package's 4 greedy tokens" in out
+    assert "'1 2 3' -> '" in out
+
+
+def test_a_16_bit_model_is_checked_as_a_float32_copy():
+    from minillm.labs.in_engine import demo_model
+
+    model = demo_model()
+    assert ch01.full_precision(model) is model
+    half = demo_model().to(torch.bfloat16)
+    copy = ch01.full_precision(half)
+    assert copy.dtype == torch.float32 and half.dtype == torch.bfloat16
+    assert copy.lm_head.weight is copy.embed.weight  # still tied
+    assert ch01.check_rmsnorm(key.rmsnorm, half, [[1, 2, 3]], [3]).passed is True

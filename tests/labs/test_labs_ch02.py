@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from lab_checks import checker_tests
 
@@ -46,6 +47,27 @@ class NewestFirstCache(key.GrowingCache):
         return k, v
 
 
+class DoublesOnceCache(key.DoublingCache):
+    """Doubles once when an update overflows: enough for short chunks, not for a long prompt."""
+
+    def update(self, layer, k, v):
+        end = self.seen + k.shape[2]
+        if end > self.k[layer].shape[2]:
+            for buffers in (self.k, self.v):
+                old = buffers[layer]
+                buffers[layer] = torch.cat([old, torch.zeros_like(old)], dim=2)
+        self.k[layer][:, :, self.seen:end] = k
+        self.v[layer][:, :, self.seen:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Float32Cache(key.DoublingCache):
+    """Ignores the dtype it is given: float32 buffers under a float64 model."""
+
+    def __init__(self, cfg, batch_size, max_len, device="cpu", dtype=torch.float32):
+        super().__init__(cfg, batch_size, max_len, device)
+
+
 def kept_without_sinks(n_seen, window, n_sink=0):
     return list(range(max(0, n_seen - window), n_seen))  # ignores the sinks
 
@@ -75,6 +97,13 @@ def decode_attention_without_itself(q, k_new, v_new, k_cache, v_cache):
     return out, torch.cat([k_cache, k_new], 2), v_all
 
 
+def decode_attention_last_8(q, k_new, v_new, k_cache, v_cache):
+    """Attends over the 8 newest keys only (a window, not a cache): right on short sequences."""
+    out, k_all, v_all = key.decode_attention(q, k_new, v_new, k_cache[:, :, -7:],
+                                             v_cache[:, :, -7:])
+    return out, torch.cat([k_cache, k_new], 2), torch.cat([v_cache, v_new], 2)
+
+
 def h2o_keep_no_recent(score, pos, end, budget, n_recent):
     return score.topk(budget, dim=-1).indices.sort(dim=-1).values  # recent tokens not protected
 
@@ -82,6 +111,12 @@ def h2o_keep_no_recent(score, pos, end, budget, n_recent):
 def h2o_keep_unsorted(score, pos, end, budget, n_recent):
     priority = score.masked_fill(pos >= end - n_recent, float("inf"))
     return priority.topk(budget, dim=-1).indices  # right tokens, in score order
+
+
+def h2o_keep_marks_scores_in_place(score, pos, end, budget, n_recent):
+    """Right indices, but the recent tokens' scores in the cache become inf for good."""
+    score[pos >= end - n_recent] = float("inf")
+    return score.topk(budget, dim=-1).indices.sort(dim=-1).values
 
 
 def visible_keys_ignores_chunk(n, window, n_sink=0, chunk=1):
@@ -98,21 +133,26 @@ CHECKS = [
     (ch02.check_kv_bytes, key.kv_bytes, kv_bytes_no_v),
     (ch02.check_kv_bytes, key.kv_bytes, kv_bytes_mla_as_mha),
     (ch02.check_score_entries, key.score_entries, score_entries_square),
-    (ch02.check_cache_append, key.GrowingCache, ForgetfulCache),
-    (ch02.check_cache_append, key.GrowingCache, NewestFirstCache),
+    (ch02.check_cache_append, key.DoublingCache, ForgetfulCache),
+    (ch02.check_cache_append, key.DoublingCache, NewestFirstCache),
+    (ch02.check_cache_append, key.DoublingCache, DoublesOnceCache),  # fails in generate
+    (ch02.check_cache_append, key.DoublingCache, Float32Cache),  # fails in generate
     (ch02.check_sliding_window, key.kept_positions, kept_without_sinks),
     (ch02.check_sliding_window, key.kept_positions, kept_off_by_one),
     (ch02.check_decode_attention, key.decode_attention, decode_attention_unscaled),
     (ch02.check_decode_attention, key.decode_attention, decode_attention_tiled_heads),
     (ch02.check_decode_attention, key.decode_attention, decode_attention_without_itself),
+    (ch02.check_decode_attention, key.decode_attention, decode_attention_last_8),  # in generate
     (ch02.check_h2o_keep, key.h2o_keep, h2o_keep_no_recent),
     (ch02.check_h2o_keep, key.h2o_keep, h2o_keep_unsorted),
+    (ch02.check_h2o_keep, key.h2o_keep, h2o_keep_marks_scores_in_place),  # in the model
     (ch02.check_visible_keys, key.visible_keys, visible_keys_ignores_chunk),
     (ch02.check_visible_keys, key.visible_keys, visible_keys_window_includes_self),
 ]
 IDS = ["kv_bytes", "kv_bytes_mla", "score_entries", "cache_forgetful", "cache_order",
-       "window_sinks", "window_off_by_one", "decode_unscaled", "decode_gqa_heads",
-       "decode_without_itself", "h2o_no_recent", "h2o_unsorted", "mask_ignores_chunk",
+       "cache_doubles_once", "cache_float32", "window_sinks", "window_off_by_one",
+       "decode_unscaled", "decode_gqa_heads", "decode_without_itself", "decode_last_8",
+       "h2o_no_recent", "h2o_unsorted", "h2o_scores_in_place", "mask_ignores_chunk",
        "mask_window_includes_self"]
 
 
@@ -122,3 +162,50 @@ test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = \
 
 def test_package_kvcache_passes_its_own_checker():
     assert ch02.check_cache_append(KVCache).passed is True
+
+
+def test_concatenating_cache_passes_too():
+    assert ch02.check_cache_append(key.GrowingCache).passed is True
+
+
+@pytest.mark.parametrize("checker, wrong, says", [
+    (ch02.check_cache_append, DoublesOnceCache, "0 + 31 tokens, layer 0: update raised"),
+    (ch02.check_cache_append, Float32Cache, "inside the model"),
+    (ch02.check_decode_attention, decode_attention_last_8, "request"),
+    (ch02.check_h2o_keep, h2o_keep_marks_scores_in_place, "a model reading"),
+], ids=["doubles_once", "float32", "last_8", "scores_in_place"])
+def test_right_on_its_own_wrong_in_the_model(checker, wrong, says):
+    """These pass every case of their own; only the model running on them shows the mistake."""
+    result = checker(wrong)
+    assert result.passed is False and says in result.message, result.message
+
+
+class DigitsTokenizer:
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def test_in_model_runs_print_both_times(capsys):
+    tok = DigitsTokenizer()
+    assert ch02.check_decode_attention(key.decode_attention, prompts=[[1, 2, 3]],
+                                       output_lens=[4], tok=tok).passed is True
+    assert ch02.check_cache_append(key.DoublingCache, prompts=[[1] * 20], output_lens=[3],
+                                   tok=tok).passed is True
+    out = capsys.readouterr().out
+    assert "gave the package's 4 greedy tokens" in out and "gave the package's 3" in out
+    assert "'1 2 3' -> '" in out
+
+
+def test_function_h2o_cache_serves_the_perplexity_run():
+    """The notebook's H2O perplexities come from FunctionH2OCache when exercise 6 passed: the
+    same losses as the package's cache."""
+    from minillm import evaluate
+    from minillm.labs.in_engine import demo_model
+
+    model = demo_model()
+    ids = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(0))
+    ref = evaluate.token_nll(model, ids, chunk=4,
+                             cache_factory=lambda _n: evaluate.make_cache("h2o", model.cfg, 12))
+    mine = evaluate.token_nll(model, ids, chunk=4, cache_factory=lambda _n: ch02.FunctionH2OCache(
+        model.cfg, 12, 6, key.h2o_keep))
+    assert torch.equal(mine, ref)

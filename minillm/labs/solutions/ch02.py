@@ -41,6 +41,34 @@ class GrowingCache(Cache):
         return self.seen
 
 
+class DoublingCache(Cache):
+    """The exercise's cache: per layer, buffers that start at 4 tokens and double until an
+    update fits, the old contents copied across."""
+
+    def __init__(self, cfg, batch_size, max_len, device="cpu", dtype=torch.float32):
+        shape = (batch_size, cfg.n_kv_heads, 4, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.seen = 0
+
+    def update(self, layer, k, v):
+        end = self.seen + k.shape[2]
+        capacity = self.k[layer].shape[2]
+        while capacity < end:
+            capacity *= 2
+        if capacity > self.k[layer].shape[2]:
+            for buffers in (self.k, self.v):
+                old = buffers[layer]
+                buffers[layer] = old.new_zeros((*old.shape[:2], capacity, old.shape[3]))
+                buffers[layer][:, :, :self.seen] = old[:, :, :self.seen]
+        self.k[layer][:, :, self.seen:end] = k
+        self.v[layer][:, :, self.seen:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def __len__(self):
+        return self.seen
+
+
 def kept_positions(n_seen, window, n_sink=0):
     recent = range(max(n_sink, n_seen - (window - n_sink)), n_seen)
     return sorted(set(range(min(n_sink, n_seen))) | set(recent))
@@ -84,7 +112,7 @@ def visible_keys(n, window, n_sink=0, chunk=1):
 KEY = [
     (ch02.check_kv_bytes, kv_bytes),
     (ch02.check_score_entries, score_entries),
-    (ch02.check_cache_append, GrowingCache),
+    (ch02.check_cache_append, DoublingCache),
     (ch02.check_sliding_window, kept_positions),
     (ch02.check_decode_attention, decode_attention),
     (ch02.check_h2o_keep, h2o_keep),
