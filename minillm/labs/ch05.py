@@ -7,17 +7,30 @@ exercise still raises NotImplementedError). :func:`check_paged_decode` runs the 
 launcher, so Triton must already be in interpreter mode on a CPU
 (:func:`minillm.device.setup_triton` before the kernel is defined); this module imports no
 Triton itself.
+
+Two builds then run inside the model and the engine: :func:`check_flash_tiles_in_model` makes
+the student's tile loop every layer's attention (:class:`TiledAttention`, the model's
+``Attention.backend`` seam), :func:`check_paged_decode_in_engine` makes their Triton decode
+kernel the engine's attention for every decode step (:class:`DecodeKernelAttention`, the
+``EngineConfig(attention_backend=...)`` seam).
 """
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import torch
 
+from ..attention import reference_attention
+from ..attention.paged import PagedMetadata, sdpa_paged_attention
+from ..cache import KVCache
 from ..course import ch05_io_model as io_model
 from ..device import default_device
+from ..engine import EngineConfig, LLMEngine
+from ..model.transformer import Transformer
 from .common import Result, check
+from .in_engine import assert_same_tokens, demo_model, demo_prompts, serve_greedy
 
 
 def _softmax_attention(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,3 +300,189 @@ def check_bpt_block(fn: Callable) -> Result:
             assert starts == sorted(starts), f"{where}: blocks must come in order, got {starts}"
 
     return check("bpt_block", attempt)
+
+
+# --- the student's code inside the model and the engine --------------------------------------
+
+
+class TiledAttention:
+    """The model's attention backend (``Attention.backend``: q [B, H, T, D], k, v [B, Hkv, L, D],
+    the T queries the last T of the L positions -> [B, H, T, D]) computed by ``fn``, a function
+    with exercise 3's contract (``fn(q, k, v, block_m, block_n)`` on one sequence's [H, T, d]
+    and [H, L, d]). The adapter repeats each KV head for its query heads, hands ``fn`` each
+    sequence in float64 on the CPU (where the exercise was checked) and returns the result in
+    q's dtype and device. Every call is compared with float64 attention on the same inputs
+    (:func:`~minillm.attention.reference_attention`): ``calls`` lists (T, L, largest
+    difference); a wrong shape or a difference over ``tol`` raises AssertionError from inside
+    the forward pass. ``fn`` None: the adapter returns that float64 attention itself (the
+    reference run, with the same casts as the student's)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor] | None, block_m: int, block_n: int,
+                 tol: float = 1e-9) -> None:
+        self.fn, self.block_m, self.block_n, self.tol = fn, block_m, block_n, tol
+        self.calls: list[tuple[int, int, float]] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]
+        q64 = q.detach().double().cpu()
+        k64, v64 = (x.detach().double().cpu().repeat_interleave(group, 1) for x in (k, v))
+        want = reference_attention(q64, k64, v64)
+        if self.fn is None:
+            return want.to(q.device, q.dtype)
+        outs = [self.fn(q64[b], k64[b], v64[b], self.block_m, self.block_n)
+                for b in range(q.shape[0])]
+        t, n = q.shape[2], k.shape[2]
+        where = f"a call with T={t} queries over L={n} keys ({q.shape[1]} heads)"
+        for out in outs:
+            assert tuple(out.shape) == tuple(want.shape[1:]), (
+                f"{where}: out has shape {tuple(out.shape)}, expected {tuple(want.shape[1:])}")
+        out = torch.stack(outs)
+        err = (out.double() - want).abs().max().item()
+        self.calls.append((t, n, err))
+        hint = " (the queries are the last T of L positions: query i sees keys j <= L - T + i)"
+        assert err < self.tol, (f"{where}: differs from causal attention by {err:.2e}"
+                                + (hint if t < n else ""))
+        return out.to(q.device, q.dtype)
+
+
+def _greedy(model: Transformer, backend: Callable, prompt: list[int], n_new: int) -> dict:
+    """``n_new`` greedy tokens after ``prompt`` with a contiguous KV cache (a prefill of the
+    whole prompt, T = L, then one query per step over every cached key), every layer's
+    attention computed by ``backend`` (restored afterwards): the tokens, the logits of each
+    step [n_new, vocab] and the seconds."""
+    saved = [layer.attn.backend for layer in model.layers]
+    cache = KVCache(model.cfg, 1, len(prompt) + n_new, model.device, model.dtype)
+    x, tokens, logits = torch.tensor([prompt], device=model.device), [], []
+    try:
+        for layer in model.layers:
+            layer.attn.backend = backend
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(n_new):
+                logits.append(model(x, cache=cache, last_only=True)[0, -1].float().cpu())
+                tokens.append(int(logits[-1].argmax()))
+                x = torch.tensor([[tokens[-1]]], device=model.device)
+        return {"tokens": tokens, "logits": torch.stack(logits),
+                "seconds": time.perf_counter() - t0}
+    finally:
+        for layer, fn in zip(model.layers, saved):
+            layer.attn.backend = fn
+
+
+def check_flash_tiles_in_model(fn: Callable[..., torch.Tensor], model: Transformer | None = None,
+                               prompt: list[int] | None = None, max_tokens: int = 5,
+                               block_m: int = 16, block_n: int = 16) -> Result:
+    """Exercise 3's tile loop is every layer's attention (:class:`TiledAttention`) while the
+    model generates ``max_tokens`` greedy tokens after ``prompt`` with a KV cache: a prefill
+    (T = L queries), then one query over L keys per step, on ``model`` (default: the tiny
+    preset, random weights, float64). Passes when every call equals float64 attention on its
+    inputs and the tokens are those of the model whose attention is the package's float64
+    attention in the same place (``TiledAttention(None)``: the same casts, so a bfloat16 model
+    on a GPU gives the same tokens too), with the logits of every step close to its; prints
+    both runs' seconds."""
+    model = model or demo_model()
+    if prompt is None:
+        gen = torch.Generator().manual_seed(5)
+        prompt = torch.randint(5, model.cfg.vocab_size, (40,), generator=gen).tolist()
+
+    def attempt() -> None:
+        q = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        fn(q, q, q, block_m, block_n)   # a stub raises NotImplementedError here
+        tiles = TiledAttention(fn, block_m, block_n)
+        ref = _greedy(model, TiledAttention(None, block_m, block_n), prompt, max_tokens)
+        mine = _greedy(model, tiles, prompt, max_tokens)
+        assert mine["tokens"] == ref["tokens"], (
+            f"greedy tokens {mine['tokens']}, the model on float64 attention gives "
+            f"{ref['tokens']}")
+        diff = (mine["logits"] - ref["logits"]).abs().max().item()
+        tol = 1e-3 if model.dtype in (torch.float32, torch.float64) else 0.25
+        assert diff < tol, f"the logits differ from the model's on float64 attention by {diff:.2e}"
+        worst = max(err for _, _, err in tiles.calls)
+        print(f"your tiles were the attention of {len(tiles.calls)} layer calls (prompt of "
+              f"{len(prompt)} tokens, then {max_tokens - 1} decode steps; largest difference "
+              f"from float64 attention {worst:.1e}): the same {max_tokens} greedy tokens as the "
+              f"package's attention, logits at most {diff:.1e} apart; {mine['seconds']:.2f} s, "
+              f"the package's {ref['seconds']:.2f} s")
+
+    return check("flash_tiles_in_model", attempt)
+
+
+class DecodeKernelAttention:
+    """The engine's paged attention backend with every decode step computed by ``fn``, a
+    function with exercise 4's contract (``fn(q, k_cache, v_cache, block_table, seq_lens)`` ->
+    [B, Hq, D], float32). A step in which every sequence brings one new token (and none a tree
+    mask) hands ``fn`` the whole batch: q [S, Hq, D], this layer's pool [num_blocks,
+    block_size, Hkv, D] (the new tokens' K/V already written), ``meta.block_tables`` [S,
+    max_blocks] and ``meta.seq_lens`` [S] (int32), in float32 on the device Triton runs on;
+    the result comes back in q's dtype. Any other step (prompts, chunks, verification) goes to
+    the package's sdpa backend. Each decode call is compared with sdpa on the same float32
+    inputs (``decode_calls``, ``worst``); a wrong shape or a difference over ``tol`` raises
+    AssertionError from inside the step. ``fn`` None: decode steps return that float32 sdpa
+    result itself (the reference run, with the same casts as the student's)."""
+
+    name, reads_direct, cpu_fast_path = "exercise", False, False
+
+    def __init__(self, fn: Callable[..., torch.Tensor] | None, tol: float = 1e-4) -> None:
+        self.fn, self.tol = fn, tol
+        self.decode_calls, self.worst = 0, 0.0
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: PagedMetadata) -> torch.Tensor:
+        if meta.has_masks or meta.max_q_len > 1:
+            return sdpa_paged_attention(q, k, v, k_cache, v_cache, meta)
+        q32, k32, v32, kc32, vc32 = (x.float() for x in (q, k, v, k_cache, v_cache))
+        want = sdpa_paged_attention(q32, k32, v32, kc32, vc32, meta)
+        if self.fn is None:
+            return want.to(q.dtype)
+        dev = default_device()
+        out = self.fn(q32.to(dev), kc32.to(dev), vc32.to(dev), meta.block_tables.to(dev),
+                      meta.seq_lens.to(dev))
+        lens = meta.seq_lens.tolist()
+        where = f"decode step over sequences of {lens} tokens (block_size {meta.block_size})"
+        assert tuple(out.shape) == tuple(q.shape), (
+            f"{where}: out has shape {tuple(out.shape)}, expected {tuple(q.shape)}")
+        err = (out.float().to(want.device) - want).abs().max().item()
+        self.decode_calls += 1
+        self.worst = max(self.worst, err)
+        assert err < self.tol, (f"{where}: differs from the package's attention over the same "
+                                f"cache by {err:.2e}")
+        return out.to(q.device, q.dtype)
+
+
+def check_paged_decode_in_engine(fn: Callable[..., torch.Tensor],
+                                 model: Transformer | None = None,
+                                 prompts: list[list[int]] | None = None,
+                                 output_lens: list[int] | None = None,
+                                 block_size: int = 16, num_kv_blocks: int = 64) -> Result:
+    """Exercise 4's Triton ``paged_decode`` is the engine's attention for every decode step
+    (:class:`DecodeKernelAttention`; prompts go through the package's sdpa backend, as the
+    kernel is decode-only): every prompt at once, greedy, on ``model`` (default: the tiny
+    preset, random weights, float64; two short requests, since the interpreter is slow).
+    Passes when every decode call equals the package's attention on the same cache, every
+    request gets the tokens of the engine whose decode steps are the package's attention in
+    float32 (``DecodeKernelAttention(None)``: the same casts), and every block is free at the
+    end; prints both runs' seconds."""
+    model = model or demo_model()
+    if prompts is None:
+        prompts, output_lens = demo_prompts(2)
+        output_lens = [min(n, 3) for n in output_lens]
+    opts = dict(num_kv_blocks=num_kv_blocks, block_size=block_size)
+
+    def attempt() -> None:
+        probe = _paged_case([1], block_size, 1, 1, 16, torch.Generator().manual_seed(0))
+        fn(*(t.to(default_device()) for t in probe[:5]))  # a stub raises NotImplementedError
+        kernel = DecodeKernelAttention(fn)
+        ref = serve_greedy(LLMEngine(model, None, EngineConfig(
+            attention_backend=DecodeKernelAttention(None), **opts)), prompts, output_lens)
+        mine = serve_greedy(LLMEngine(model, None, EngineConfig(attention_backend=kernel,
+                                                                **opts)), prompts, output_lens)
+        assert kernel.decode_calls > 0, "no step was a decode step: give the requests more tokens"
+        assert_same_tokens(mine, ref)
+        print(f"your kernel computed {kernel.decode_calls} decode calls ({model.cfg.n_layers} "
+              f"layers per step, largest difference from sdpa {kernel.worst:.1e}); "
+              f"{sum(map(len, mine['tokens']))} tokens equal to the engine's with the package's "
+              f"attention, every block freed; {mine['seconds']:.2f} s, with the package's "
+              f"{ref['seconds']:.2f} s")
+
+    return check("paged_decode_in_engine", attempt)

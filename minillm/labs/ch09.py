@@ -3,20 +3,46 @@
 Each ``check_*`` takes the student's function, compares it with the package on a few cases,
 prints a one-line verdict and returns a :class:`~minillm.labs.common.Result` (``passed`` is None
 while the exercise still raises NotImplementedError).
+
+The ring and the Ulysses exercises are written as one rank runs them, talking to the others
+through a function they are handed (``pass_on``, ``all_to_all``). Their first checkers run the
+P ranks as threads of one process (:class:`SimulatedRanks`); :func:`check_ring_attention_on_ranks`
+and :func:`check_ulysses_on_ranks` then run the same functions on real ``torch.distributed``
+processes (gloo, :func:`minillm.parallel.run`) over a SmolLM2 attention layer, next to the
+package's versions. A function defined in a notebook reaches those processes by value
+(:class:`ShippedFunction`).
 """
 from __future__ import annotations
 
+import builtins
+import dis
+import importlib
+import marshal
+import threading
+import time
+import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ..config import get_preset
+from ..parallel import comm
+from ..parallel.launch import run
 from ..parallel.sequence import (
+    LAYOUTS,
+    check_ulysses,
+    gather_positions,
+    heads_to_seq,
     masked_attention,
     merge_states,
     rank_work,
+    ring_attention,
     ring_bytes,
     shard_positions,
     take,
+    ulysses_attention,
     ulysses_bytes,
 )
 from .common import Result, check
@@ -59,39 +85,154 @@ def check_merge(fn: Callable) -> Result:
     return check("merge", attempt)
 
 
+# --- ranks simulated by threads -------------------------------------------------------------
+
+
+class Stranded(AssertionError):
+    """A rank waited in an exchange that some other rank will never join."""
+
+
+class SimulatedRanks:
+    """``world_size`` ranks as threads of one process, meeting in :meth:`swap`: a collective
+    that every rank must call the same number of times (as with real processes). It counts
+    each rank's calls and the bytes it sent; a rank left waiting because another returned
+    (or failed) raises :class:`Stranded` instead of hanging."""
+
+    def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self.cond = threading.Condition()
+        self.rounds: list[list[Any]] = []
+        self.calls = [0] * world_size
+        self.sent = [0] * world_size
+        self.done = [False] * world_size
+
+    def swap(self, rank: int, sends: list[Any]) -> list[Any]:
+        """``sends[j]``: what ``rank`` sends to rank j (None: nothing) -> what each rank sent
+        to ``rank``, in rank order. Blocks until every rank has made this call."""
+        with self.cond:
+            n = self.calls[rank]
+            self.calls[rank] += 1
+            self.sent[rank] += sum(t.numel() * t.element_size() for j, item in enumerate(sends)
+                                   if j != rank and item is not None
+                                   for t in (item if isinstance(item, list) else [item]))
+            if n == len(self.rounds):
+                self.rounds.append([None] * self.world_size)
+            box = self.rounds[n]
+            box[rank] = sends
+            self.cond.notify_all()
+            full = lambda: all(b is not None for b in box)  # noqa: E731
+            self.cond.wait_for(lambda: full() or any(self.done), timeout=self.timeout_s)
+            if not full():
+                raise Stranded(f"rank {rank} made exchange {n + 1} while another rank never "
+                               "did: every rank must make the same exchanges")
+            return [box[i][rank] for i in range(self.world_size)]
+
+    def run(self, body: Callable[[int], Any]) -> list[Any]:
+        """``body(rank)`` on every rank at once; their results in rank order. Re-raises the
+        first error of a rank (a stranded rank's only when no rank failed otherwise)."""
+        results: list[Any] = [None] * self.world_size
+        errors: list[BaseException | None] = [None] * self.world_size
+
+        def one(rank: int) -> None:
+            try:
+                results[rank] = body(rank)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                errors[rank] = e
+            finally:
+                with self.cond:
+                    self.done[rank] = True
+                    self.cond.notify_all()
+
+        threads = [threading.Thread(target=one, args=(r,), daemon=True)
+                   for r in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        first = next((e for e in errors if e is not None and not isinstance(e, Stranded)),
+                     next((e for e in errors if e is not None), None))
+        if isinstance(first, Stranded):
+            raise AssertionError(f"{first} (exchanges per rank: {self.calls})")
+        if first is not None:
+            raise first
+        return results
+
+    def pass_on(self, rank: int) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+        """Rank ``rank``'s ``pass_on``: send a list of tensors to the next rank, return the
+        list the previous one sent (copies, as a network would deliver)."""
+        def pass_on(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+            sends: list[Any] = [None] * self.world_size
+            sends[(rank + 1) % self.world_size] = [t.clone() for t in tensors]
+            return self.swap(rank, sends)[(rank - 1) % self.world_size]
+
+        return pass_on
+
+    def all_to_all(self, rank: int) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+        """Rank ``rank``'s ``all_to_all``: chunks[j] goes to rank j; returns the chunks the
+        ranks sent to this one, in rank order."""
+        def all_to_all(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+            assert len(chunks) == self.world_size, (
+                f"all_to_all takes one tensor per rank ({self.world_size}), got {len(chunks)}")
+            return self.swap(rank, [c.clone() for c in chunks])
+
+        return all_to_all
+
+
+def _simulated_ring(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    world_size: int, layout: str, causal: bool) -> tuple[list, list, list]:
+    """``fn`` (exercise 2's contract) on ``world_size`` simulated ranks: (outs, positions,
+    pass_on calls) per rank."""
+    pos = shard_positions(q.shape[2], world_size, layout)
+    ranks = SimulatedRanks(world_size)
+    outs = ranks.run(lambda r: fn(take(q, pos[r]), take(k, pos[r]), take(v, pos[r]),
+                                  pos[r].clone(), causal, world_size, ranks.pass_on(r)))
+    return outs, pos, ranks.calls
+
+
+def _assert_ring(outs: list, pos: list, calls: list, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, causal: bool, tol: float, case: str) -> float:
+    """Each rank's output against float64 attention over every key, and P-1 passes per rank;
+    returns the largest difference."""
+    p, t = len(pos), q.shape[2]
+    full = torch.arange(t)
+    want, _ = masked_attention(q.double(), k.double(), v.double(), full, full, causal)
+    worst = 0.0
+    for r in range(p):
+        mine = take(want, pos[r])
+        assert isinstance(outs[r], torch.Tensor) and outs[r].shape == mine.shape, (
+            f"{case}, rank {r}: out has shape {tuple(getattr(outs[r], 'shape', ()))}, "
+            f"expected {tuple(mine.shape)}")
+        real = pos[r] >= 0
+        err = (outs[r].double() - mine)[:, :, real].abs().max().item() if real.any() else 0.0
+        assert err < tol, (f"{case}, rank {r}: output differs from attention over all keys by "
+                           f"{err:.2e}")
+        worst = max(worst, err)
+        assert calls[r] == p - 1, (
+            f"{case}, rank {r}: pass_on called {calls[r]} times; the ring needs P-1 = {p - 1} "
+            "passes (after the last step no block has to move)")
+    return worst
+
+
 def check_ring_attention(fn: Callable) -> Result:
-    """``fn(qs, ks, vs, positions, causal)`` -> (outs, held): ring attention over P simulated
-    ranks in one process. qs[r] [B, H, L, D], ks[r] / vs[r] [B, Hkv, L, D] and positions[r] [L]
-    (-1 = padding) are rank r's shard. At step s = 0..P-1 rank r attends its queries to the K/V
-    block that started on rank (r - s) mod P and merges the result into its running (out, lse);
-    then every block moves one rank on. outs[r] [B, H, L, D] must equal attention of rank r's
-    queries over every key; held[s][r] is the index of the block rank r used at step s."""
+    """``fn(q, k, v, pos, causal, world_size, pass_on)`` -> out [B, H, L, D]: ring attention as
+    one rank runs it. q [B, H, L, D], k, v [B, Hkv, L, D] and pos [L] (-1 = padding) are this
+    rank's shard; ``pass_on(tensors)`` sends a list of tensors to the next rank and returns
+    the list the previous rank sent (every rank calls it at the same time). At each of the P
+    steps the rank attends its queries to the K/V block it holds and merges the result into
+    its running (out, lse); between steps every block moves one rank on. out must equal
+    attention of the rank's queries over every key, after P-1 passes. Checked on P ranks run
+    as threads of one process, contiguous and striped shards, causal or not, with padding."""
 
     def attempt() -> None:
         gen = torch.Generator().manual_seed(2)
         for t, p, layout, causal in ((8, 2, "contiguous", True), (12, 4, "striped", True),
                                      (13, 4, "contiguous", True), (10, 3, "striped", False),
                                      (6, 1, "contiguous", True)):
-            case = f"T={t}, P={p}, {layout}, causal={causal}"
-            pos = shard_positions(t, p, layout)
             q = torch.randn(1, 4, t, 8, generator=gen, dtype=torch.float64)
             k, v = (torch.randn(1, 2, t, 8, generator=gen, dtype=torch.float64) for _ in "kv")
-            qs, ks, vs = ([take(x, pos[r]) for r in range(p)] for x in (q, k, v))
-            outs, held = fn(qs, ks, vs, [x.clone() for x in pos], causal)
-            want_held = [[(r - s) % p for r in range(p)] for s in range(p)]
-            assert [[int(j) for j in row] for row in held] == want_held, (
-                f"{case}: blocks held per step {held}, expected {want_held} (at step s rank r "
-                f"holds the block that started on rank (r - s) mod P)")
-            all_pos = torch.cat(pos)
-            all_k, all_v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
-            for r in range(p):
-                want, _ = masked_attention(qs[r], all_k, all_v, pos[r], all_pos, causal)
-                assert outs[r].shape == want.shape, (
-                    f"{case}, rank {r}: shape {tuple(outs[r].shape)}, expected "
-                    f"{tuple(want.shape)}")
-                assert torch.allclose(outs[r], want, atol=1e-10), (
-                    f"{case}, rank {r}: output differs from attention over all keys by "
-                    f"{(outs[r] - want).abs().max():.2e}")
+            outs, pos, calls = _simulated_ring(fn, q, k, v, p, layout, causal)
+            _assert_ring(outs, pos, calls, q, k, v, causal, 1e-10,
+                         f"T={t}, P={p}, {layout}, causal={causal}")
 
     return check("ring_attention", attempt)
 
@@ -126,29 +267,45 @@ def check_rank_work(fn: Callable[[int, int, str], list[int]]) -> Result:
     return check("rank_work", attempt)
 
 
-def _seq_to_heads(shards: list[torch.Tensor]) -> list[torch.Tensor]:
+def _simulated_seq_to_heads(fn: Callable, shards: list[torch.Tensor]) -> tuple[list, list]:
+    """``fn`` (exercise 5's contract) on len(shards) simulated ranks: (outputs, all_to_all
+    calls) per rank."""
     p = len(shards)
-    h = shards[0].shape[1] // p
-    return [torch.cat([s[:, r * h:(r + 1) * h] for s in shards], dim=2) for r in range(p)]
+    ranks = SimulatedRanks(p)
+    outs = ranks.run(lambda r: fn(shards[r].clone(), p, ranks.all_to_all(r)))
+    return outs, ranks.calls
 
 
-def check_ulysses_all_to_all(fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> Result:
-    """``fn(shards)`` -> list: simulate Ulysses' first all-to-all in one process. shards[r] is
-    rank r's [B, H, L, D] (all heads, its L tokens); output[r] must be [B, H/P, P L, D]: rank
-    r's H/P heads over the whole sequence, tokens in rank order."""
+def _assert_heads(outs: list, calls: list, full: torch.Tensor, case: str) -> None:
+    """Rank r must hold heads r H/P .. (r+1) H/P - 1 of ``full`` [B, H, T, D], after one
+    all-to-all."""
+    p = len(outs)
+    h = full.shape[1] // p
+    for r, got in enumerate(outs):
+        want = full[:, r * h:(r + 1) * h]
+        assert isinstance(got, torch.Tensor) and got.shape == want.shape, (
+            f"{case}, rank {r}: shape {tuple(getattr(got, 'shape', ()))}, expected "
+            f"{tuple(want.shape)}")
+        assert torch.equal(got, want), f"{case}, rank {r}: wrong heads or token order"
+        assert calls[r] == 1, (f"{case}, rank {r}: {calls[r]} calls of all_to_all; one "
+                               "all-to-all moves everything")
+
+
+def check_ulysses_all_to_all(fn: Callable) -> Result:
+    """``fn(x, world_size, all_to_all)`` -> [B, H/P, P L, D]: Ulysses' first all-to-all as one
+    rank runs it. x [B, H, L, D] is this rank's shard (all heads, its L tokens);
+    ``all_to_all(chunks)`` takes a list of P tensors, chunks[j] for rank j, and returns the P
+    tensors the ranks sent to this one, in rank order. Rank r must end with heads r H/P ...
+    (r+1) H/P - 1 over the whole sequence, tokens in rank order, after one all-to-all.
+    Checked on P ranks run as threads of one process."""
 
     def attempt() -> None:
         gen = torch.Generator().manual_seed(1)
-        for b, h, l, d, p in ((1, 4, 3, 2, 2), (2, 8, 5, 4, 4), (1, 9, 2, 3, 3)):
+        for b, h, l, d, p in ((1, 4, 3, 2, 2), (2, 8, 5, 4, 4), (1, 9, 2, 3, 3),
+                              (1, 2, 4, 2, 1)):
             full = torch.randn(b, h, l * p, d, generator=gen)
-            shards = list(full.split(l, dim=2))
-            got = fn([s.clone() for s in shards])
-            assert len(got) == p, f"P={p}: expected {p} outputs, got {len(got)}"
-            for r, (g, w) in enumerate(zip(got, _seq_to_heads(shards))):
-                assert tuple(g.shape) == tuple(w.shape), (
-                    f"P={p}, rank {r}: shape {tuple(g.shape)}, expected {tuple(w.shape)}")
-                assert torch.equal(g, w), f"P={p}, rank {r}: wrong heads or token order"
-                assert torch.equal(g, full[:, r * (h // p):(r + 1) * (h // p)])
+            outs, calls = _simulated_seq_to_heads(fn, list(full.split(l, dim=2)))
+            _assert_heads(outs, calls, full, f"B={b}, H={h}, L={l}, D={d}, P={p}")
 
     return check("ulysses_all_to_all", attempt)
 
@@ -170,3 +327,298 @@ def check_comm_bytes(fn: Callable[[int, int, int, int, int, str], int]) -> Resul
                                      f"{got:,} bytes, expected {want:,}")
 
     return check("comm_bytes", attempt)
+
+
+# --- the student's code on real ranks ------------------------------------------------------
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The global names ``code`` and the functions defined inside it read or write."""
+    names = {i.argval for i in dis.get_instructions(code)
+             if i.opname in ("LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL")}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _by_value(obj: object) -> bool:
+    """A Python function that another process cannot import by name (one defined in a
+    notebook, a script or a test module, not in minillm)."""
+    return isinstance(obj, types.FunctionType) and \
+        not (obj.__module__ or "").startswith("minillm")
+
+
+class ShippedFunction:
+    """A function made picklable by value, so that the processes of
+    :func:`minillm.parallel.run` can call it although it lives in a notebook (whose
+    ``__main__`` they cannot import): its code (``marshal``), defaults and closure, and the
+    globals it uses, followed through the other such functions it calls (one shared
+    namespace, so they may call each other): modules by name, such functions among the
+    defaults and the closure shipped the same way, anything else pickled as usual. Calling
+    it rebuilds the functions once in the receiving process."""
+
+    def __init__(self, fn: types.FunctionType) -> None:
+        self.name = fn.__name__
+        self.functions: dict[str, tuple] = {}
+        self.modules: dict[str, str] = {}
+        self.values: dict[str, Any] = {}
+        self._fn: Callable | None = None
+        self._collect(self.name, fn)
+
+    def _collect(self, name: str, fn: types.FunctionType) -> None:
+        if name in self.functions:
+            return
+        closure = tuple(shippable(c.cell_contents) for c in fn.__closure__ or ())
+        defaults = tuple(shippable(d) for d in fn.__defaults__ or ()) or None
+        kwdefaults = {k: shippable(d) for k, d in (fn.__kwdefaults__ or {}).items()} or None
+        self.functions[name] = (marshal.dumps(fn.__code__), defaults, kwdefaults, closure)
+        for ref in sorted(_global_names(fn.__code__)):
+            if ref not in fn.__globals__ or ref in self.modules or ref in self.values:
+                continue
+            value = fn.__globals__[ref]
+            if isinstance(value, types.ModuleType):
+                self.modules[ref] = value.__name__
+            elif _by_value(value):
+                self._collect(ref, value)
+            else:
+                self.values[ref] = value
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_fn": None}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fn is None:
+            ns: dict[str, Any] = {"__builtins__": builtins, "__name__": "shipped"}
+            ns.update({k: importlib.import_module(m) for k, m in self.modules.items()})
+            ns.update(self.values)
+            for name, (code, defaults, kwdefaults, closure) in self.functions.items():
+                cells = tuple(types.CellType(c) for c in closure) or None
+                f = types.FunctionType(marshal.loads(code), ns, name, defaults, cells)
+                f.__kwdefaults__ = kwdefaults
+                ns[name] = f
+            self._fn = ns[self.name]
+        return self._fn(*args, **kwargs)
+
+
+def shippable(obj: Any) -> Any:
+    """``obj`` as the ranks of :func:`minillm.parallel.run` can receive it: a
+    :class:`ShippedFunction` for a function they cannot import, else ``obj`` itself."""
+    return ShippedFunction(obj) if _by_value(obj) else obj
+
+
+def _rank_pass_on(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``pass_on`` on a real rank: each tensor to rank r+1, one of the same shape from r-1
+    (gloo point-to-point), the bytes logged in :mod:`minillm.parallel.comm`."""
+    rank, p = comm.world()
+    bufs = [torch.empty_like(t) for t in tensors]
+    works = []
+    for t, buf in zip(tensors, bufs):
+        works.append(dist.isend(t.contiguous(), (rank + 1) % p))
+        works.append(dist.irecv(buf, (rank - 1) % p))
+        comm.log_p2p("send", t, "exercise ring")
+    for w in works:
+        w.wait()
+    return bufs
+
+
+def _rank_all_to_all(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``all_to_all`` on a real rank: chunks[j] to rank j (one all-to-all of the stacked
+    chunks, logged in :mod:`minillm.parallel.comm`); the chunks received, in rank order."""
+    _, p = comm.world()
+    if len(chunks) != p:
+        raise ValueError(f"all_to_all takes one tensor per rank ({p}), got {len(chunks)}")
+    got = comm.all_to_all(torch.stack([c.contiguous() for c in chunks]), [1] * p, [1] * p,
+                          tag="exercise all-to-all")
+    return list(got.unbind(0))
+
+
+class _Counted:
+    """A communication function that counts its calls."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        return self.fn(*args)
+
+
+def _timed(fn: Callable, *args: Any) -> tuple[Any, float]:
+    """(fn(*args), seconds), started after a barrier of all ranks."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def ring_on_rank(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 causal: bool) -> list[dict]:
+    """What one rank runs for :func:`check_ring_attention_on_ranks`: for each layout its shard
+    of the full q, k, v, the student's ring on it, then the package's; per layout "out",
+    "pos", "calls" (of pass_on), "sent" (bytes), "seconds" and "package_seconds"."""
+    rank, p = comm.world()
+    results = []
+    for layout in LAYOUTS:
+        pos = shard_positions(q.shape[2], p, layout)[rank]
+        ql, kl, vl = (take(x, pos) for x in (q, k, v))
+        pass_on = _Counted(_rank_pass_on)
+        comm.reset()
+        out, seconds = _timed(fn, ql, kl, vl, pos.clone(), causal, p, pass_on)
+        sent = sum(e.sent for e in comm.events())
+        _, package_seconds = _timed(ring_attention, ql, kl, vl, pos, pos, causal)
+        results.append({"out": out, "pos": pos, "calls": pass_on.calls, "sent": sent,
+                        "seconds": seconds, "package_seconds": package_seconds})
+    return results
+
+
+@torch.inference_mode()
+def ulysses_on_rank(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    causal: bool) -> dict:
+    """What one rank runs for :func:`check_ulysses_on_ranks`: its contiguous shard of the full
+    q, k, v, the student's ``seq_to_heads`` for each of them, local attention over the whole
+    sequence on its heads, the package's ``heads_to_seq`` back; then the package's Ulysses.
+    Returns "out", "pos", "heads" (the shapes it got), "calls", "sent" (bytes of the
+    student's all-to-alls), "seconds" and "package_seconds"."""
+    rank, p = comm.world()
+    pos = shard_positions(q.shape[2], p, "contiguous")[rank]
+    ql, kl, vl = (take(x, pos) for x in (q, k, v))
+    all_pos = gather_positions(pos)
+    a2a = _Counted(_rank_all_to_all)
+    comm.reset()
+
+    def ulysses() -> tuple[torch.Tensor | None, list]:
+        heads = [fn(x, p, a2a) for x in (ql, kl, vl)]
+        shapes = [tuple(getattr(h, "shape", ())) for h in heads]
+        want = [(x.shape[0], x.shape[1] // p, x.shape[2] * p, x.shape[3]) for x in (ql, kl, vl)]
+        if shapes != want:
+            return None, shapes
+        out, _ = masked_attention(*heads, all_pos, all_pos, causal)
+        return heads_to_seq(out), shapes
+
+    (out, shapes), seconds = _timed(ulysses)
+    sent = sum(e.sent for e in comm.events() if e.tag == "exercise all-to-all")
+    _, package_seconds = _timed(ulysses_attention, ql, kl, vl, pos, causal)
+    return {"out": out, "pos": pos, "heads": shapes, "calls": a2a.calls, "sent": sent,
+            "seconds": seconds, "package_seconds": package_seconds}
+
+
+def layer_qkv(seq_len: int = 37, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q [1, H, T, D], k, v [1, Hkv, T, D] in float32 with SmolLM2-135M's attention shape (9
+    query heads, 3 KV heads of 64), random: the default input of the checks on ranks."""
+    cfg = get_preset("smollm2-135m")
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, cfg.n_heads, seq_len, cfg.head_dim, generator=gen),
+            *(torch.randn(1, cfg.n_kv_heads, seq_len, cfg.head_dim, generator=gen)
+              for _ in "kv"))
+
+
+def _on_ranks(worker: Callable, world_size: int, *args: Any) -> list:
+    """``worker(*args)`` on ``world_size`` gloo processes; a rank's failure becomes an
+    AssertionError with its last lines (a NotImplementedError stays one)."""
+    try:
+        return run(worker, world_size, *args, backend="gloo", timeout_s=120.0)
+    except RuntimeError as e:
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        if any(line.startswith("NotImplementedError") for line in lines[-1:]):
+            raise NotImplementedError from None
+        raise AssertionError(f"on {world_size} gloo ranks: {lines[0]} ... {lines[-1]}") from None
+
+
+def check_ring_attention_on_ranks(fn: Callable, q: torch.Tensor | None = None,
+                                  k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                                  world_sizes: tuple[int, ...] = (2, 4),
+                                  causal: bool = True) -> Result:
+    """Exercise 2's ``ring_attention`` on real processes: for each world size, gloo ranks
+    (:func:`minillm.parallel.run`) each take their shard of q [B, H, T, D], k, v [B, Hkv, T,
+    D] (default: :func:`layer_qkv`, SmolLM2's attention shape; the notebook passes a real
+    layer's), contiguous and striped, and run ``fn`` with a ``pass_on`` that sends to the next
+    process; then the package's ring on the same shard. First the same function runs on
+    simulated ranks on the same data (a rank that skips a pass would hang real processes).
+    Passes when the outputs put together equal float64 attention over the whole sequence and
+    no rank sent more than the ring's P-1 K/V blocks and positions
+    (:func:`~minillm.parallel.sequence.ring_bytes`); prints both versions' seconds."""
+    if q is None:
+        q, k, v = layer_qkv()
+    t = q.shape[2]
+    full = torch.arange(t)
+
+    def attempt() -> None:
+        for p in world_sizes:
+            for layout in LAYOUTS:
+                outs, pos, calls = _simulated_ring(fn, q, k, v, p, layout, causal)
+                _assert_ring(outs, pos, calls, q, k, v, causal, 1e-4,
+                             f"simulated, P={p}, {layout}")
+        want, _ = masked_attention(q.double(), k.double(), v.double(), full, full, causal)
+        lines = []
+        for p in world_sizes:
+            ranks = _on_ranks(ring_on_rank, p, shippable(fn), q, k, v, causal)
+            for i, layout in enumerate(LAYOUTS):
+                out = torch.zeros_like(want)
+                for r in ranks:
+                    real = r[i]["pos"] >= 0
+                    out[:, :, r[i]["pos"][real]] = r[i]["out"][:, :, real].double()
+                err = (out - want).abs().max().item()
+                assert err < 1e-4, (f"{p} gloo ranks, {layout} shards: the ranks' outputs put "
+                                    f"together differ from attention over all {t} tokens by "
+                                    f"{err:.2e}")
+                sent = max(r[i]["sent"] for r in ranks)
+                bound = ring_bytes(t, p, k.shape[1], k.shape[3], k.shape[0], k.element_size())
+                assert sent <= bound, (
+                    f"{p} gloo ranks, {layout} shards: a rank sent {sent:,} bytes, more than "
+                    f"the ring's P-1 K/V blocks and positions ({bound:,} bytes)")
+                lines.append(f"{p} ranks, {layout}: max |diff| {err:.1e}, {sent:,} bytes sent "
+                             f"per rank, {max(r[i]['seconds'] for r in ranks) * 1e3:.1f} ms "
+                             f"(the package's ring "
+                             f"{max(r[i]['package_seconds'] for r in ranks) * 1e3:.1f} ms)")
+        print(f"your ring on gloo processes, {t} tokens:\n  " + "\n  ".join(lines))
+
+    return check("ring_attention_on_ranks", attempt)
+
+
+def check_ulysses_on_ranks(fn: Callable, q: torch.Tensor | None = None,
+                           k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                           world_size: int = 3, causal: bool = True) -> Result:
+    """Exercise 5's ``seq_to_heads`` in Ulysses attention on real processes: ``world_size``
+    gloo ranks each take their contiguous shard of q [B, H, T, D], k, v [B, Hkv, T, D]
+    (default: :func:`layer_qkv`, SmolLM2's attention shape; the notebook passes a real layer's),
+    turn q, k and v into head shards with ``fn`` (an ``all_to_all`` between the processes),
+    attend over the whole sequence on their heads and go back with the package's
+    ``heads_to_seq``; then the package's Ulysses on the same shard. First the same function
+    runs on simulated ranks. Passes when the outputs put together equal float64 attention over
+    the whole sequence; prints the bytes each rank sent in its all-to-alls and both versions'
+    seconds. ``world_size`` must divide the query and the KV heads."""
+    if q is None:
+        q, k, v = layer_qkv()
+    check_ulysses(q.shape[1], k.shape[1], world_size)
+    t, p = q.shape[2], world_size
+    full = torch.arange(t)
+
+    def attempt() -> None:
+        for x, name in ((q, "q"), (k, "k"), (v, "v")):
+            pos = shard_positions(t, p, "contiguous")
+            outs, calls = _simulated_seq_to_heads(fn, [take(x, r) for r in pos])
+            _assert_heads(outs, calls, take(x, torch.cat(pos)), f"simulated, {name}, P={p}")
+        want, _ = masked_attention(q.double(), k.double(), v.double(), full, full, causal)
+        ranks = _on_ranks(ulysses_on_rank, p, shippable(fn), q, k, v, causal)
+        for r, res in enumerate(ranks):
+            assert res["out"] is not None, (f"{p} gloo ranks, rank {r}: seq_to_heads gave "
+                                            f"shapes {res['heads']} for q, k, v")
+        out = torch.zeros_like(want)
+        for res in ranks:
+            real = res["pos"] >= 0
+            out[:, :, res["pos"][real]] = res["out"][:, :, real].double()
+        err = (out - want).abs().max().item()
+        assert err < 1e-4, (f"{p} gloo ranks: the ranks' outputs put together differ from "
+                            f"attention over all {t} tokens by {err:.2e}")
+        sent = max(res["sent"] for res in ranks)
+        total = ulysses_bytes(t, p, q.shape[1], k.shape[1], q.shape[3], q.shape[0],
+                              q.element_size())
+        print(f"your all-to-all in Ulysses on {p} gloo processes, {t} tokens: max |diff| "
+              f"{err:.1e}; each rank sent {sent:,} bytes in its all-to-alls of q, k, v "
+              f"(ulysses_bytes, which adds the output's all-to-all: {total:,}); "
+              f"{max(res['seconds'] for res in ranks) * 1e3:.1f} ms, the package's Ulysses "
+              f"{max(res['package_seconds'] for res in ranks) * 1e3:.1f} ms")
+
+    return check("ulysses_on_ranks", attempt)

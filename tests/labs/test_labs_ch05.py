@@ -126,6 +126,13 @@ def paged_decode_no_mask(q, k_cache, v_cache, block_table, seq_lens):
                         lambda b, i: int(block_table[b, i]), lambda n, bs: -(-n // bs) * bs)
 
 
+def paged_decode_without_new_token(q, k_cache, v_cache, block_table, seq_lens):
+    # attends over the tokens cached before this step, as if the new token's K/V were not
+    # written yet (the engine writes it before attention)
+    return _paged_torch(q, k_cache, v_cache, block_table, seq_lens,
+                        lambda b, i: int(block_table[b, i]), lambda n, bs: max(n - 1, 1))
+
+
 def bpt_whole_layer(x, attn_fn, ffn, q_block):
     h = x + attn_fn(x, 0, x.shape[1])  # right numbers, but the FFN sees all T rows at once
     return h + ffn(h)
@@ -152,15 +159,20 @@ CHECKS = [
     (ch05.check_flash_tiles, flash_tiles, flash_tiles_start_aligned),
     (ch05.check_flash_tiles, flash_tiles, flash_tiles_untiled),
     (ch05.check_flash_tiles, flash_tiles, flash_tiles_no_rescale),
+    (ch05.check_flash_tiles_in_model, flash_tiles, flash_tiles_start_aligned),
+    (ch05.check_flash_tiles_in_model, flash_tiles, flash_tiles_no_rescale),
     (ch05.check_paged_decode, paged_decode, paged_decode_ignores_table),
     (ch05.check_paged_decode, paged_decode, paged_decode_no_mask),
+    (ch05.check_paged_decode_in_engine, paged_decode, paged_decode_ignores_table),
+    (ch05.check_paged_decode_in_engine, paged_decode, paged_decode_without_new_token),
     (ch05.check_bpt_block, bpt_block, bpt_whole_layer),
     (ch05.check_bpt_block, bpt_block, bpt_no_residual),
 ]
 IDS = ["online_no_rescale", "online_nan", "online_no_max", "merge_average", "merge_nan",
        "merge_two", "bytes_naive", "bytes_no_v", "flash_start_aligned", "flash_untiled",
-       "flash_no_rescale", "paged_ignores_table", "paged_no_mask", "bpt_whole_layer",
-       "bpt_no_residual"]
+       "flash_no_rescale", "in_model_start_aligned", "in_model_no_rescale",
+       "paged_ignores_table", "paged_no_mask", "in_engine_ignores_table",
+       "in_engine_without_new_token", "bpt_whole_layer", "bpt_no_residual"]
 
 
 test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = \

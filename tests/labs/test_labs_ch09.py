@@ -1,6 +1,9 @@
 """Chapter 09 checkers: reference solutions pass, wrong ones fail, untouched stubs are "TODO"."""
 from __future__ import annotations
 
+import pickle
+
+import pytest
 import torch
 from lab_checks import checker_tests
 
@@ -21,23 +24,53 @@ def merge_unguarded(out_a, lse_a, out_b, lse_b):  # NaN where both sides saw no 
         m + torch.log(wa + wb)
 
 
-def ring_attention_zero_start(qs, ks, vs, positions, causal):
-    # starts every rank from (out 0, lse 0) instead of (0, -inf): a phantom key of score 0
-    p = len(qs)
-    outs = [torch.zeros_like(q) for q in qs]
-    lses = [torch.zeros(q.shape[:-1], dtype=q.dtype) for q in qs]
-    for s in range(p):
-        for r in range(p):
-            j = (r - s) % p
-            out, lse = key._block(qs[r], ks[j], vs[j], positions[r], positions[j], causal)
-            outs[r], lses[r] = key.merge(outs[r], lses[r], out, lse)
-    return outs, [[(r - s) % p for r in range(p)] for s in range(p)]
+def _ring(q, k, v, pos, causal, world_size, pass_on, start_lse=float("-inf"), passes=None,
+          send=lambda block, q: block):
+    # the key's ring with one thing changed: where lse starts, how many passes, what is sent
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], start_lse, dtype=q.dtype)
+    block = [k, v, pos]
+    for step in range(world_size):
+        out, lse = key.merge(out, lse, *key._block(q, *block[:2], pos, block[2], causal))
+        if step < (world_size - 1 if passes is None else passes(step, block)):
+            block = pass_on(send(block, q))[-3:]
+    return out
 
 
-def ring_attention_wrong_direction(qs, ks, vs, positions, causal):
-    outs, held = key.ring_attention(qs, ks, vs, positions, causal)
-    p = len(qs)
-    return outs, [[(r + s) % p for r in range(p)] for s in range(p)]  # blocks go the other way
+def ring_attention_zero_start(q, k, v, pos, causal, world_size, pass_on):
+    # starts from (out 0, lse 0) instead of (0, -inf): a phantom key of score 0
+    return _ring(q, k, v, pos, causal, world_size, pass_on, start_lse=0.0)
+
+
+def ring_attention_passes_every_step(q, k, v, pos, causal, world_size, pass_on):
+    # passes after the last step too: P passes where P-1 do
+    return _ring(q, k, v, pos, causal, world_size, pass_on, passes=lambda step, block: step + 1)
+
+
+def ring_attention_skips_future_passes(q, k, v, pos, causal, world_size, pass_on):
+    # skips passing on a block whose keys all lie after this rank's queries (skipping the
+    # block's *compute* is right; the next rank still needs it): ranks fall out of step
+    def passes(step, block):
+        seen = ((block[2][None, :] <= pos[:, None]) & (block[2] >= 0)).any() or not causal
+        return world_size - 1 if seen else step
+    return _ring(q, k, v, pos, causal, world_size, pass_on, passes=passes)
+
+
+def ring_attention_own_positions(q, k, v, pos, causal, world_size, pass_on):
+    # passes K and V but not their positions: masks every block with its own positions
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    k_blk, v_blk = k, v
+    for step in range(world_size):
+        out, lse = key.merge(out, lse, *key._block(q, k_blk, v_blk, pos, pos, causal))
+        if step < world_size - 1:
+            k_blk, v_blk = pass_on([k_blk, v_blk])
+    return out
+
+
+def ring_attention_sends_queries(q, k, v, pos, causal, world_size, pass_on):
+    # right outputs, but the queries travel with every block: more than the ring's bytes
+    return _ring(q, k, v, pos, causal, world_size, pass_on, send=lambda block, q: [q, *block])
 
 
 def shard_positions_no_padding(seq_len, world_size, layout):
@@ -64,27 +97,63 @@ def rank_work_blocks(seq_len, world_size, layout):
     return [seq_len // world_size * (r + 1) for r in range(world_size)]  # counts blocks, not pairs
 
 
-def seq_to_heads_wrong_order(shards):
-    p = len(shards)
-    h = shards[0].shape[1] // p
-    return [torch.cat([s[:, r * h:(r + 1) * h] for s in reversed(shards)], dim=2)
-            for r in range(p)]
+def seq_to_heads_wrong_order(x, world_size, all_to_all):
+    got = all_to_all([c.contiguous() for c in x.chunk(world_size, dim=1)])
+    return torch.cat(got[::-1], dim=2)  # tokens of the last rank first
+
+
+def seq_to_heads_splits_tokens(x, world_size, all_to_all):
+    got = all_to_all([c.contiguous() for c in x.chunk(world_size, dim=2)])  # tokens, not heads
+    return torch.cat(got, dim=1)
 
 
 CHECKS = [
     (ch09.check_merge, key.merge, merge_average),
     (ch09.check_merge, key.merge, merge_unguarded),
     (ch09.check_ring_attention, key.ring_attention, ring_attention_zero_start),
-    (ch09.check_ring_attention, key.ring_attention, ring_attention_wrong_direction),
+    (ch09.check_ring_attention, key.ring_attention, ring_attention_passes_every_step),
+    (ch09.check_ring_attention, key.ring_attention, ring_attention_skips_future_passes),
+    (ch09.check_ring_attention, key.ring_attention, ring_attention_own_positions),
+    (ch09.check_ring_attention_on_ranks, key.ring_attention, ring_attention_zero_start),
+    (ch09.check_ring_attention_on_ranks, key.ring_attention, ring_attention_sends_queries),
     (ch09.check_shard_positions, key.shard_positions, shard_positions_no_padding),
     (ch09.check_rank_work, key.rank_work, rank_work_blocks),
     (ch09.check_ulysses_all_to_all, key.seq_to_heads, seq_to_heads_wrong_order),
+    (ch09.check_ulysses_all_to_all, key.seq_to_heads, seq_to_heads_splits_tokens),
+    (ch09.check_ulysses_on_ranks, key.seq_to_heads, seq_to_heads_wrong_order),
     (ch09.check_comm_bytes, key.comm_bytes, comm_bytes_ring_all_steps),
     (ch09.check_comm_bytes, key.comm_bytes, comm_bytes_ulysses_whole),
 ]
-IDS = ["merge", "merge_both_sides_empty", "ring_zero_start", "ring_direction", "shard_padding",
-       "rank_work", "ulysses", "bytes_ring_steps", "bytes_ulysses_whole"]
+IDS = ["merge", "merge_both_sides_empty", "ring_zero_start", "ring_passes_every_step",
+       "ring_skips_future_passes", "ring_own_positions", "ranks_zero_start",
+       "ranks_sends_queries", "shard_padding", "rank_work", "ulysses_order", "ulysses_tokens",
+       "ranks_ulysses_order", "bytes_ring_steps", "bytes_ulysses_whole"]
 
 
 test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = \
     checker_tests(CHECKS, IDS)
+
+
+def _scaled(x, factor, then=lambda y: y - 1):
+    return then(helper(x) * factor)  # a global function of this module, shipped with it
+
+
+def helper(x):
+    return torch.as_tensor(x).double() + 1
+
+
+def test_shipped_function_round_trip():
+    """A function no other process can import (this test module's) travels by value: its code,
+    the module-level functions and modules it uses, its defaults (a lambda among them)."""
+    shipped = ch09.shippable(_scaled)
+    assert isinstance(shipped, ch09.ShippedFunction)
+    again = pickle.loads(pickle.dumps(shipped))
+    assert again(torch.tensor([1.0, 2.0]), 3).tolist() == [5.0, 8.0]
+    assert ch09.shippable(key.merge) is key.merge  # importable: sent by name
+
+
+def test_a_stranded_rank_is_named():
+    """A rank that exchanges once more than the others fails with the counts, not a hang."""
+    ranks = ch09.SimulatedRanks(2, timeout_s=5)
+    with pytest.raises(AssertionError, match=r"exchanges per rank: \[2, 1\]"):
+        ranks.run(lambda r: [ranks.pass_on(r)([torch.zeros(1)]) for _ in range(2 - r)])

@@ -107,6 +107,8 @@ KEY = [
     (ch05.check_merge, merge),
     (ch05.check_fused_softmax_bytes, fused_bytes),
     (ch05.check_flash_tiles, flash_tiles),
+    (ch05.check_flash_tiles_in_model, flash_tiles),
     (ch05.check_paged_decode, paged_decode),
+    (ch05.check_paged_decode_in_engine, paged_decode),
     (ch05.check_bpt_block, bpt_block),
 ]

@@ -15,18 +15,15 @@ def merge(out_a, lse_a, out_b, lse_b):
             + torch.exp(lse_b - safe)[..., None] * out_b), lse
 
 
-def ring_attention(qs, ks, vs, positions, causal):
-    p = len(qs)
-    outs, lses, held = [None] * p, [None] * p, []
-    blocks = list(zip(ks, vs, positions))  # blocks[r]: the block rank r holds now
-    for s in range(p):
-        held.append([(r - s) % p for r in range(p)])
-        for r in range(p):
-            k, v, k_pos = blocks[r]
-            out, lse = _block(qs[r], k, v, positions[r], k_pos, causal)
-            outs[r], lses[r] = (out, lse) if s == 0 else merge(outs[r], lses[r], out, lse)
-        blocks = blocks[-1:] + blocks[:-1]  # pass on: rank r receives rank r-1's block
-    return outs, held
+def ring_attention(q, k, v, pos, causal, world_size, pass_on):
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)  # none yet
+    block = [k, v, pos]  # the K/V block this rank holds now, and its positions
+    for step in range(world_size):
+        out, lse = merge(out, lse, *_block(q, *block[:2], pos, block[2], causal))
+        if step < world_size - 1:  # after the last step no block has to move
+            block = pass_on(block)
+    return out
 
 
 def _block(q, k, v, q_pos, k_pos, causal):
@@ -63,10 +60,9 @@ def rank_work(seq_len, world_size, layout):
     return work
 
 
-def seq_to_heads(shards):
-    p = len(shards)
-    h = shards[0].shape[1] // p
-    return [torch.cat([s[:, r * h:(r + 1) * h] for s in shards], dim=2) for r in range(p)]
+def seq_to_heads(x, world_size, all_to_all):
+    chunks = x.chunk(world_size, dim=1)  # chunk j: the heads of rank j, my tokens
+    return torch.cat(all_to_all([c.contiguous() for c in chunks]), dim=2)  # tokens in rank order
 
 
 def comm_bytes(seq_len, world_size, n_heads, n_kv_heads, head_dim, scheme):
@@ -83,8 +79,10 @@ def comm_bytes(seq_len, world_size, n_heads, n_kv_heads, head_dim, scheme):
 KEY = [
     (ch09.check_merge, merge),
     (ch09.check_ring_attention, ring_attention),
+    (ch09.check_ring_attention_on_ranks, ring_attention),
     (ch09.check_shard_positions, shard_positions),
     (ch09.check_rank_work, rank_work),
     (ch09.check_ulysses_all_to_all, seq_to_heads),
+    (ch09.check_ulysses_on_ranks, seq_to_heads),
     (ch09.check_comm_bytes, comm_bytes),
 ]
