@@ -23,10 +23,8 @@ lists its edges in the order of ``TokenRadixTree.dump``.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import random
-import time
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -38,12 +36,11 @@ from ..cache.block_pool import NoFreeBlocksError
 from ..cache.offload import OffloadConfig, TieredKVStore
 from ..cache.prefix import HashPrefixCache
 from ..cache.radix import RadixPrefixCache, TokenRadixTree
-from ..config import SamplingParams
 from ..engine import EngineConfig, LLMEngine
 from ..engine.connector import StoreConnector
 from ..model.transformer import Transformer
 from .common import Result, check
-from .in_engine import assert_same_tokens, demo_model
+from .in_engine import assert_same_outputs, demo_model, serve_in_turn
 
 # --- hashed full blocks --------------------------------------------------------------------
 
@@ -353,46 +350,6 @@ def demo_shared_prompts(block_size: int = 4) -> tuple[list[list[int]], list[int]
     return prompts, torch.randint(4, 9, (len(prompts),), generator=g).tolist()
 
 
-def serve_in_turn(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int]) -> dict:
-    """Each prompt through ``engine`` once the previous one has finished (a quiet service:
-    each request finds what the earlier ones left cached), greedy: per request its tokens,
-    their log-probabilities and its TTFT (s); the prefix hit rate (prompt tokens found cached
-    over those looked up); seconds. AssertionError unless every request finished and every KV
-    block is free at the end (idle cached blocks count as free)."""
-    tokens, logprobs, ttft, t0 = [], [], [], time.perf_counter()
-    params = SamplingParams(temperature=0.0, ignore_eos=True, logprobs=1)
-    for i, (p, m) in enumerate(zip(prompts, output_lens)):
-        engine.add_request(p, dataclasses.replace(params, max_tokens=m))
-        done = []
-        while engine.has_unfinished():
-            done += [o for o in engine.step() if o.finished]
-        out = done[0].outputs[0]
-        assert out.finish_reason != "error", f"request {i} failed: {done[0].error}"
-        tokens.append(out.token_ids)
-        logprobs.append([lp[t] for t, lp in zip(out.token_ids, out.logprobs)])
-        ttft.append(done[0].ttft)
-    seconds = time.perf_counter() - t0
-    b = engine.blocks
-    assert b.num_free == b.num_blocks, (f"{b.num_blocks - b.num_free} KV blocks still in use "
-                                        f"after every request finished")
-    return {"tokens": tokens, "logprobs": logprobs, "ttft": ttft, "seconds": seconds,
-            "hit_rate": b.prefix_hit / b.prefix_queried if b.prefix_queried else 0.0}
-
-
-def assert_same_outputs(mine: dict, ref: dict, dtype: torch.dtype) -> None:
-    """AssertionError naming the first request and token where two :func:`serve_in_turn` runs
-    differ in the token or its log-probability (beyond the rounding of ``dtype``): reused KV
-    that is not the KV of the request's own prefix shows in the log-probabilities even where
-    the greedy token survives it."""
-    assert_same_tokens(mine, ref)
-    tol = {torch.float64: 1e-8, torch.float32: 1e-3}.get(dtype, 5e-2)
-    for i, (a, b) in enumerate(zip(mine["logprobs"], ref["logprobs"])):
-        bad = next((j for j, (x, y) in enumerate(zip(a, b)) if abs(x - y) > tol), None)
-        assert bad is None, (f"request {i}: token {bad} has log-probability {a[bad]:.6f}, "
-                             f"{b[bad]:.6f} without a prefix cache: the KV it reused is not "
-                             f"the KV of its own prefix")
-
-
 def _ms(run: dict) -> str:
     return f"{1e3 * sum(run['ttft']) / len(run['ttft']):.1f} ms"
 
@@ -406,7 +363,7 @@ def check_block_hashes_in_engine(fn: Callable, model: Transformer | None = None,
     them, the first prompt without its first block (its blocks are the first prompt's, under
     another prefix) are served one after another on ``model`` (default: the tiny preset,
     random weights, float64). Passes when every request gets the tokens of the engine without
-    a cache with the same log-probabilities (:func:`assert_same_outputs`), the hit rate is the
+    a cache with the same log-probabilities (``in_engine.assert_same_outputs``), the hit rate is the
     package's hash cache's (above zero), and every block is free at the end; prints the hit
     rates and mean TTFTs."""
     model = model or demo_model()
@@ -467,7 +424,7 @@ def check_radix_cache_in_engine(cls: Callable[[int], Any], model: Transformer | 
     float64) in a pool of ``num_kv_blocks`` (default: room for the two largest requests and
     one block more), small enough that the package's radix cache evicts. Passes when every
     request gets the tokens of the engine without a cache with the same log-probabilities
-    (:func:`assert_same_outputs`), the hit rate is the package's radix cache's (above zero),
+    (``in_engine.assert_same_outputs``), the hit rate is the package's radix cache's (above zero),
     the package's cache evicted, and every block is free at the end; prints the hit rates,
     evictions and mean TTFTs."""
     model = model or demo_model()

@@ -9,6 +9,7 @@ built with it and one built without it, and :func:`assert_same_tokens` compares 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -87,5 +88,45 @@ def generate_greedy(model: Transformer, prompts: list[list[int]], output_lens: l
     return {"tokens": tokens, "seconds": time.perf_counter() - t0}
 
 
-__all__ = ["assert_same_tokens", "demo_model", "demo_prompts", "full_precision",
-           "generate_greedy", "serve_greedy"]
+def serve_in_turn(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    """Each prompt through ``engine`` once the previous one has finished (a quiet service:
+    each request finds what the earlier ones left cached), greedy: per request its tokens,
+    their log-probabilities and its TTFT (s); the prefix hit rate (prompt tokens found cached
+    over those looked up); seconds. AssertionError unless every request finished and every KV
+    block is free at the end (idle cached blocks count as free)."""
+    tokens, logprobs, ttft, t0 = [], [], [], time.perf_counter()
+    params = SamplingParams(temperature=0.0, ignore_eos=True, logprobs=1)
+    for i, (p, m) in enumerate(zip(prompts, output_lens)):
+        engine.add_request(p, dataclasses.replace(params, max_tokens=m))
+        done = []
+        while engine.has_unfinished():
+            done += [o for o in engine.step() if o.finished]
+        out = done[0].outputs[0]
+        assert out.finish_reason != "error", f"request {i} failed: {done[0].error}"
+        tokens.append(out.token_ids)
+        logprobs.append([lp[t] for t, lp in zip(out.token_ids, out.logprobs)])
+        ttft.append(done[0].ttft)
+    seconds = time.perf_counter() - t0
+    b = engine.blocks
+    assert b.num_free == b.num_blocks, (f"{b.num_blocks - b.num_free} KV blocks still in use "
+                                        f"after every request finished")
+    return {"tokens": tokens, "logprobs": logprobs, "ttft": ttft, "seconds": seconds,
+            "hit_rate": b.prefix_hit / b.prefix_queried if b.prefix_queried else 0.0}
+
+
+def assert_same_outputs(mine: dict, ref: dict, dtype: torch.dtype) -> None:
+    """AssertionError naming the first request and token where two :func:`serve_in_turn` runs
+    differ in the token or its log-probability (beyond the rounding of ``dtype``): reused KV
+    that is not the KV of the request's own prefix shows in the log-probabilities even where
+    the greedy token survives it."""
+    assert_same_tokens(mine, ref)
+    tol = {torch.float64: 1e-8, torch.float32: 1e-3}.get(dtype, 5e-2)
+    for i, (a, b) in enumerate(zip(mine["logprobs"], ref["logprobs"])):
+        bad = next((j for j, (x, y) in enumerate(zip(a, b)) if abs(x - y) > tol), None)
+        assert bad is None, (f"request {i}: token {bad} has log-probability {a[bad]:.6f}, "
+                             f"{b[bad]:.6f} without a prefix cache: the KV it reused is not "
+                             f"the KV of its own prefix")
+
+
+__all__ = ["assert_same_outputs", "assert_same_tokens", "demo_model", "demo_prompts",
+           "full_precision", "generate_greedy", "serve_greedy", "serve_in_turn"]
