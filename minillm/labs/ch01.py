@@ -30,6 +30,7 @@ from ..sampling import apply_top_p
 from .common import Result, check
 from .in_engine import (
     assert_same_tokens,
+    attention_set,
     demo_model,
     demo_prompts,
     full_precision,
@@ -386,14 +387,8 @@ def attention_replaced(model: Transformer, fn: Callable[..., torch.Tensor]) -> I
         _assert_like(out, q, "attention", "q")
         return out
 
-    saved = [layer.attn.backend for layer in model.layers]
-    for layer in model.layers:
-        layer.attn.backend = attention
-    try:
-        yield len(saved)
-    finally:
-        for layer, backend in zip(model.layers, saved):
-            layer.attn.backend = backend
+    with attention_set(model, attention) as num_layers:
+        yield num_layers
 
 
 def _in_model(replace: Callable[[Transformer], AbstractContextManager[int]], what: str,

@@ -30,7 +30,7 @@ from ..device import default_device
 from ..engine import EngineConfig, LLMEngine
 from ..model.transformer import Transformer
 from .common import Result, check
-from .in_engine import assert_same_tokens, demo_model, demo_prompts, serve_greedy
+from .in_engine import assert_same_tokens, attention_set, demo_model, demo_prompts, serve_greedy
 
 
 def _softmax_attention(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,23 +350,15 @@ def _greedy(model: Transformer, backend: Callable, prompt: list[int], n_new: int
     whole prompt, T = L, then one query per step over every cached key), every layer's
     attention computed by ``backend`` (restored afterwards): the tokens, the logits of each
     step [n_new, vocab] and the seconds."""
-    saved = [layer.attn.backend for layer in model.layers]
     cache = KVCache(model.cfg, 1, len(prompt) + n_new, model.device, model.dtype)
     x, tokens, logits = torch.tensor([prompt], device=model.device), [], []
-    try:
-        for layer in model.layers:
-            layer.attn.backend = backend
+    with attention_set(model, backend), torch.inference_mode():
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            for _ in range(n_new):
-                logits.append(model(x, cache=cache, last_only=True)[0, -1].float().cpu())
-                tokens.append(int(logits[-1].argmax()))
-                x = torch.tensor([[tokens[-1]]], device=model.device)
-        return {"tokens": tokens, "logits": torch.stack(logits),
-                "seconds": time.perf_counter() - t0}
-    finally:
-        for layer, fn in zip(model.layers, saved):
-            layer.attn.backend = fn
+        for _ in range(n_new):
+            logits.append(model(x, cache=cache, last_only=True)[0, -1].float().cpu())
+            tokens.append(int(logits[-1].argmax()))
+            x = torch.tensor([[tokens[-1]]], device=model.device)
+    return {"tokens": tokens, "logits": torch.stack(logits), "seconds": time.perf_counter() - t0}
 
 
 def check_flash_tiles_in_model(fn: Callable[..., torch.Tensor], model: Transformer | None = None,

@@ -33,7 +33,7 @@ from ..engine.sequence import Request, Status
 from ..model.transformer import Transformer
 from ..serving_metrics import SLO, goodput_of, tpot
 from .common import Result, check
-from .in_engine import assert_same_tokens, demo_model, demo_prompts, serve_greedy
+from .in_engine import assert_same_tokens, demo_model, demo_prompts, finish_all, serve_greedy
 
 # --- one scheduling step -------------------------------------------------------------------
 
@@ -431,24 +431,8 @@ def prefill_and_hand_off(fn: Callable[..., None], model: Transformer,
                              [first[rid]], seq_id, request_id=rid)
     left = prefill.blocks.num_blocks - prefill.blocks.num_free
     assert left == 0, f"{left} blocks of the prefill engine still in use after the hand-off"
-    run = serve_greedy_adopted(decode, [str(i) for i in range(len(prompts))])
+    run = finish_all(decode, [str(i) for i in range(len(prompts))])
     return {**run, "bytes": nbytes, "scatter_seconds": seconds}
-
-
-def serve_greedy_adopted(engine: LLMEngine, ids: list[str]) -> dict:
-    """Step ``engine`` until its requests ``ids`` (already running) finish: their tokens and
-    the steps; AssertionError on a failed request or a block left in use."""
-    done, steps = {}, 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-        steps += 1
-    failed = [o for o in done.values() if o.outputs[0].finish_reason == "error"]
-    assert not failed, f"request {failed[0].request_id} failed: {failed[0].error}"
-    free, total = engine.blocks.num_free, engine.blocks.num_blocks
-    assert free == total, f"{total - free} KV blocks still in use after every request finished"
-    return {"tokens": [done[i].token_ids for i in ids], "steps": steps}
 
 
 def check_scatter_kv_in_engine(fn: Callable[..., None], model: Transformer | None = None,

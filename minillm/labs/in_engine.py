@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -37,24 +38,46 @@ def demo_prompts(n: int = 12) -> tuple[list[list[int]], list[int]]:
             torch.randint(4, 24, (n,), generator=g).tolist())
 
 
-def serve_greedy(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int]) -> dict:
-    """Every prompt through ``engine`` at once, greedy: tokens per request, steps, seconds,
-    preemptions; raises AssertionError unless every KV block is free at the end."""
-    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
-           for p, m in zip(prompts, output_lens)]
-    done, t0, steps = {}, time.perf_counter(), 0
+def finish_all(engine: LLMEngine, ids: list[str]) -> dict:
+    """Step ``engine`` until it has nothing left: the tokens of its requests ``ids`` and the
+    steps taken; AssertionError on a failed request or a KV block left in use."""
+    done, steps = {}, 0
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = o
         steps += 1
-    seconds = time.perf_counter() - t0
-    failed = [o.request_id for o in done.values() if o.outputs[0].finish_reason == "error"]
-    assert not failed, f"requests {failed} failed: {done[failed[0]].error}"
+    failed = [o for o in done.values() if o.outputs[0].finish_reason == "error"]
+    assert not failed, f"request {failed[0].request_id} failed: {failed[0].error}"
     free, total = engine.blocks.num_free, engine.blocks.num_blocks
     assert free == total, f"{total - free} KV blocks still in use after every request finished"
-    return {"tokens": [done[i].token_ids for i in ids], "steps": steps, "seconds": seconds,
+    return {"tokens": [done[i].token_ids for i in ids], "steps": steps,
             "preemptions": sum(done[i].metrics.num_preemptions for i in ids)}
+
+
+def serve_greedy(engine: LLMEngine, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    """Every prompt through ``engine`` at once, greedy (:func:`finish_all`): tokens per request,
+    steps, seconds, preemptions."""
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+           for p, m in zip(prompts, output_lens)]
+    t0 = time.perf_counter()
+    run = finish_all(engine, ids)
+    return {**run, "seconds": time.perf_counter() - t0}
+
+
+@contextmanager
+def attention_set(model: Transformer, fn: Callable[..., torch.Tensor]) -> Iterator[int]:
+    """Inside the ``with`` block ``fn`` is every layer's attention function
+    (``layer.attn.backend``, the seam ``Transformer.set_attention_backend`` uses); the layers'
+    own functions are put back on exit. Yields the number of layers."""
+    saved = [layer.attn.backend for layer in model.layers]
+    for layer in model.layers:
+        layer.attn.backend = fn
+    try:
+        yield len(saved)
+    finally:
+        for layer, backend in zip(model.layers, saved):
+            layer.attn.backend = backend
 
 
 def assert_same_tokens(mine: dict, ref: dict) -> None:
@@ -128,5 +151,6 @@ def assert_same_outputs(mine: dict, ref: dict, dtype: torch.dtype) -> None:
                              f"the KV of its own prefix")
 
 
-__all__ = ["assert_same_outputs", "assert_same_tokens", "demo_model", "demo_prompts",
-           "full_precision", "generate_greedy", "serve_greedy", "serve_in_turn"]
+__all__ = ["assert_same_outputs", "assert_same_tokens", "attention_set", "demo_model",
+           "demo_prompts", "finish_all", "full_precision", "generate_greedy", "serve_greedy",
+           "serve_in_turn"]
