@@ -93,7 +93,9 @@ class DisaggLLM:
         self.requests: dict[str, Tracked] = {}          # not yet handed back finished
         self.finished: OrderedDict[str, Tracked] = OrderedDict()   # the latest finished
         self.by_key: dict[str, Tracked] = {}           # job key -> request, while it runs
-        self.transfers: dict[str, dict] = {}     # rid -> {"sent": ..., "received": ...}
+        # rid -> {"sent": {...}, "received": {...}, "arrival", "first_token", "first_decode"}:
+        # the transfer as each worker saw it and the router's times (perf_counter, one clock)
+        self.transfers: dict[str, dict] = {}
         self.dead: set[int] = set()
         self._ids, self._index = itertools.count(), itertools.count()
         self._stats: dict[int, dict] = {}
@@ -273,12 +275,20 @@ class DisaggLLM:
             if tr.decode_rank is not None:
                 self._send(tr.decode_rank, ("first", tr.key, *msg[2:]))
             tr.metrics.first_token = tr.metrics.first_token or time.perf_counter()
+            self._timeline(tr, "first_token")
             self._extend(tr, [msg[2]], msg[3])
         elif kind == "tokens" and msg[1] == tr.key:
+            self._timeline(tr, "first_decode")
             self._extend(tr, msg[2], msg[3])
         else:
             return None           # an old job's message (re-routed since)
         return tr
+
+    def _timeline(self, tr: Tracked, event: str) -> None:
+        """Note when ``event`` first happened to ``tr`` (its arrival with it)."""
+        times = self.transfers.setdefault(tr.request_id, {})
+        times.setdefault("arrival", tr.metrics.arrival)
+        times.setdefault(event, time.perf_counter())
 
     def _extend(self, tr: Tracked, tokens: list[int], reason: str | None) -> None:
         """Append tokens; the workers end a request at EOS or max_tokens (``reason``), the

@@ -94,6 +94,12 @@ def log_ticks(ax, values) -> None:
     ax.xaxis.set_minor_locator(plt.NullLocator())
 
 
+def log_ticks_between(ax, lo: float, hi: float) -> None:
+    """A log x axis labelled at the 1-2-5 values between ``lo`` and ``hi`` (e.g. ms)."""
+    nice = [m * 10 ** e for e in range(-3, 7) for m in (1, 2, 5)]
+    log_ticks(ax, [v for v in nice if lo / 1.5 <= v <= hi * 1.5] or [lo, hi])
+
+
 def speedup_by_batch(ax, report: dict) -> None:
     """Speedup over the plain engine at the same batch size (default k, all kinds), one line
     per method, on ``ax``."""
@@ -186,7 +192,8 @@ def plot_chunked(report: dict):
         cdf.plot([1e3 * v for v in q], [i / (len(q) - 1) for i in range(len(q))],
                  color=colours[r["label"]], label=r["label"])
     cdf.axhline(0.99, color="grey", lw=0.8, ls="--")
-    cdf.set_xscale("log")
+    gaps = [1e3 * v for r in runs for v in r["itl"]["quantiles"]]
+    log_ticks_between(cdf, min(gaps), max(gaps))
     cdf.set(xlabel="inter-token latency (ms)", ylabel="fraction of gaps",
             title=f"ITL of the {report['config']['num_decodes']} running requests")
     width = 0.8 / len(runs)
@@ -263,7 +270,8 @@ def plot_prefix(report: dict):
 
     panels = [(key, fn) for key, fn in (("shared_prompt", _prefix_shared),
                                         ("cache_size", _prefix_sizes),
-                                        ("multi_turn", _prefix_turns), ("tiers", plot_tiers_on),
+                                        ("multi_turn", _prefix_turns), ("tiers", plot_tier_ttft_on),
+                                        ("tiers", plot_tier_traffic_on),
                                         ("blend", plot_blend_on)) if key in report]
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
@@ -317,24 +325,36 @@ def tier_traffic(run: dict) -> dict[str, float]:
             "store -> device": st.get("store_to_device_bytes", 0) * mib}
 
 
-def plot_tiers_on(ax, tiers: dict) -> None:
-    """Per tiers configuration: mean TTFT (bars) and the MiB each tier boundary moved."""
-    runs = tiers["runs"]
-    names = list(runs)
-    ax.bar(range(len(names)), [r["ttft_mean"] * 1e3 for r in runs.values()], color="#cccccc",
-           label="mean TTFT (ms)")
-    ax.set_yscale("log")
-    ax.set_ylabel("mean TTFT (ms)")
+def _tier_names(ax, names: list[str]) -> None:
     ax.set_xticks(range(len(names)), [n.replace(", ", ",\n").replace(": ", ":\n")
-                                      for n in names], fontsize=7, rotation=25)
-    twin = ax.twinx()
-    for (edge, _), marker in zip(tier_traffic({}).items(), "o^sv"):
-        twin.plot(range(len(names)), [tier_traffic(r)[edge] for r in runs.values()], marker,
-                  label=edge)
-    twin.set_ylabel("MiB moved")
-    twin.legend(fontsize=6, loc="upper left")
-    ax.set_title(f"tiered store: {tiers['num_prompts']} prompts in turn, device holds "
+                                      for n in names], fontsize=8)
+
+
+def plot_tier_ttft_on(ax, tiers: dict) -> None:
+    """Per tiers configuration: the mean TTFT (ms), each bar labelled with its value."""
+    runs = tiers["runs"]
+    bars = ax.bar(range(len(runs)), [r["ttft_mean"] * 1e3 for r in runs.values()],
+                  color="#999999")
+    ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.margins(y=0.12)
+    ax.set_ylabel("mean TTFT (ms)")
+    _tier_names(ax, list(runs))
+    ax.set_title(f"tiered store: {tiers['num_prompts']} prompts in turn, the device holds "
                  f"{tiers['device_prompts']}", fontsize=9)
+
+
+def plot_tier_traffic_on(ax, tiers: dict) -> None:
+    """Per tiers configuration: the MiB each tier boundary carried, one bar per boundary."""
+    runs = tiers["runs"]
+    edges = list(tier_traffic({}))
+    width = 0.8 / len(edges)
+    for i, edge in enumerate(edges):
+        xs = [j + (i - (len(edges) - 1) / 2) * width for j in range(len(runs))]
+        ax.bar(xs, [tier_traffic(r)[edge] for r in runs.values()], width, label=edge)
+    ax.set_ylabel("MiB moved")
+    _tier_names(ax, list(runs))
+    ax.legend(fontsize=8, frameon=False)
+    ax.set_title("KV moved across each tier boundary", fontsize=9)
 
 
 def plot_blend_on(ax, blend: dict) -> None:

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from .bench import log_ticks_between
+
 PREFILL, DECODE, MIXED = "tab:orange", "tab:blue", "tab:purple"
 
 
@@ -24,7 +26,8 @@ def plot_step_timeline(timelines: dict[str, Sequence[dict]],
     ax.invert_yaxis()
     for c, name in ((PREFILL, "prompt only"), (DECODE, "decode only"), (MIXED, "mixed")):
         ax.barh(0, 0, color=c, label=name)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, frameon=False)
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False,
+              title="a step ran")
     ax.set_xlabel("seconds")
     ax.set_title(title)
     fig.tight_layout()
@@ -39,42 +42,60 @@ def _cdf(ax, values, label):
 
 def plot_latency_dists(per_policy: dict[str, dict[str, Sequence[float]]],
                        title: str = "latency per policy") -> plt.Figure:
-    """CDFs of ``itl`` (inter-token latency of the running decodes) and ``ttft`` (of the new
-    prompts), seconds, one line per policy."""
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for label, d in per_policy.items():
-        _cdf(axes[0], d.get("itl", []), label)
-        _cdf(axes[1], d.get("ttft", []), label)
-    for ax, name in zip(axes, ("inter-token latency (ms)", "time to first token (ms)")):
-        ax.set_xlabel(name)
-        ax.set_ylabel("fraction")
-        ax.set_xscale("log")
+    """Left: the CDF of ``itl`` (inter-token latency of the running decodes, s; log scale), one
+    line per policy. Right: each new prompt's ``ttft`` (s) as a dot, one row per policy (a
+    handful of prompts: their values, not a distribution)."""
+    fig, (itl, ttft) = plt.subplots(1, 2, figsize=(10, 3.4))
+    for row, (label, d) in enumerate(per_policy.items()):
+        _cdf(itl, d.get("itl", []), label)
+        ttft.plot(np.asarray(d.get("ttft", []), dtype=float) * 1e3,
+                  np.full(len(d.get("ttft", [])), row), "o", color=f"C{row}", alpha=0.8)
+    itl.set(xlabel="inter-token latency (ms)", ylabel="fraction of gaps")
+    gaps = [1e3 * v for d in per_policy.values() for v in d.get("itl", [])]
+    if gaps:
+        log_ticks_between(itl, min(gaps), max(gaps))
+    itl.legend(fontsize=8)
+    ttft.set_yticks(range(len(per_policy)), list(per_policy))
+    ttft.invert_yaxis()
+    ttft.set_xlim(left=0)
+    ttft.set_xlabel("time to first token of each long prompt (ms)")
+    for ax in (itl, ttft):
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     return fig
 
 
-def plot_transfers(rows: Sequence[dict], title: str = "KV transfer per request") -> plt.Figure:
-    """Per request (``rid``): prefill up to ``kv_ready``, the transfer ``start``..``end``
-    (s, one clock), and the part after ``kv_ready`` (exposed) hatched."""
-    fig, ax = plt.subplots(figsize=(8, 0.8 + 0.45 * len(rows)))
-    t0 = min(r["start"] for r in rows) if rows else 0.0
-    for i, r in enumerate(rows):
-        ready, s, e = r["kv_ready"] - t0, r["start"] - t0, r["end"] - t0
-        ax.barh(i, max(e - s, 1e-5), left=s, color="tab:green", height=0.5,
-                label="transfer" if i == 0 else None)
-        if e > ready:
-            ax.barh(i, e - max(ready, s), left=max(ready, s), color="none", hatch="///",
-                    edgecolor="black", height=0.5, label="exposed" if i == 0 else None)
-        ax.plot([ready, ready], [i - 0.35, i + 0.35], color=PREFILL, lw=2,
-                label="prefill done (KV ready)" if i == 0 else None)
-    ax.set_yticks(range(len(rows)), [r["rid"] for r in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds from the first transfer")
-    ax.legend(fontsize=8, loc="lower right")
-    ax.set_title(title)
+def plot_request_timelines(runs: dict[str, Sequence[dict]],
+                           title: str = "each request from arrival to its first decode"
+                           ) -> plt.Figure:
+    """One panel per run (e.g. layerwise, whole); one row per request (``rid``), in seconds
+    from its ``arrival``: the prefill up to ``kv_ready`` (queueing included), the KV transfer
+    ``start``..``end`` drawn thinner over it, and ``first_decode`` (the decode worker's first
+    token) as a dot, labelled with its delay after ``kv_ready`` (what disaggregation adds)."""
+    fig, axes = plt.subplots(len(runs), 1, sharex=True, squeeze=False,
+                             figsize=(8, 0.9 + sum(0.35 * len(r) + 0.5 for r in runs.values())))
+    for ax, (name, rows) in zip(axes[:, 0], runs.items()):
+        for i, r in enumerate(rows):
+            t0 = r["arrival"]
+            ax.barh(i, r["kv_ready"] - t0, color=PREFILL, height=0.6,
+                    label="prefill (queue + compute)" if i == 0 else None)
+            ax.barh(i, max(r["end"] - r["start"], 1e-4), left=r["start"] - t0, height=0.25,
+                    color="tab:green", label="KV transfer" if i == 0 else None)
+            ax.plot(r["first_decode"] - t0, i, "o", color=DECODE,
+                    label="first decode token" if i == 0 else None)
+            ax.annotate(f"+{(r['first_decode'] - r['kv_ready']) * 1e3:.0f} ms",
+                        (r["first_decode"] - t0, i), xytext=(6, -3),
+                        textcoords="offset points", fontsize=8)
+        ax.set_yticks(range(len(rows)), [r["rid"] for r in rows])
+        ax.invert_yaxis()
+        ax.set_ylabel(name)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0, 0].legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=3,
+                      frameon=False)
+    axes[-1, 0].set_xlabel("seconds since the request arrived "
+                           "(+ms: first decode token after the prompt's KV was ready)")
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
 

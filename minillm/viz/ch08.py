@@ -9,6 +9,7 @@ each event, that edge list with each node's state (for the stepper in
 """
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable, Sequence
 
 import matplotlib.pyplot as plt
@@ -44,7 +45,7 @@ def _layout(edges: Sequence[tuple[tuple, tuple]]) -> dict[tuple, tuple[float, fl
 
 def plot_radix_tree(edges: Sequence[tuple[tuple, tuple]], label: Callable | None = None,
                     state: dict[tuple, str] | None = None, title: str = "radix tree",
-                    ax: plt.Axes | None = None, level_width: float = 2.6) -> plt.Figure:
+                    ax: plt.Axes | None = None, level_width: float = 2.0) -> plt.Figure:
     """Draw a radix tree from its edge list (root on the left). ``label(path, edge)`` gives a
     node's text (default: the edge's token count); ``state[path]`` a key of STATE_COLOURS;
     ``level_width``: inches per tree level (a new figure only)."""
@@ -55,7 +56,7 @@ def plot_radix_tree(edges: Sequence[tuple[tuple, tuple]], label: Callable | None
     rows = max((y for _, y in pos.values()), default=0) + 1
     own = ax is None
     if own:
-        fig, ax = plt.subplots(figsize=(1.2 + level_width * (depth + 1), 1.4 + 0.55 * rows))
+        fig, ax = plt.subplots(figsize=(1.2 + level_width * (depth + 1), 1.4 + 0.6 * rows))
     else:
         fig = ax.figure
     for parent, edge in edges:
@@ -65,18 +66,18 @@ def plot_radix_tree(edges: Sequence[tuple[tuple, tuple]], label: Callable | None
         edge = next((e for p, e in edges if p + tuple(e) == path), ())
         text = "root" if not path else label(path, tuple(edge))
         colour = STATE_COLOURS.get(state.get(path), "white")
-        ax.text(x, y, text, ha="center", va="center", fontsize=7, zorder=2,
+        ax.text(x, y, text, ha="center", va="center", fontsize=8, zorder=2,
                 bbox=dict(boxstyle="round,pad=0.3", fc=colour, ec="0.3", lw=0.6))
     ax.set_xlim(-0.6, depth + 0.6)
     ax.set_ylim(rows - 0.4, -0.6)
     ax.axis("off")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=10)
     used = sorted({s for s in state.values() if s in STATE_COLOURS}, key=list(STATE_COLOURS).index)
     for s in used:
         ax.scatter([], [], marker="s", color=STATE_COLOURS[s], label=s)
     if used:
-        ax.legend(fontsize=7, loc="lower left", frameon=False, ncol=len(used),
-                  bbox_to_anchor=(0, -0.02 - 0.3 / rows))
+        ax.legend(fontsize=8, loc="upper left", frameon=False, ncol=len(used),
+                  bbox_to_anchor=(0, 0.0))
     if own:
         fig.tight_layout()
     return fig
@@ -150,19 +151,19 @@ def plot_radix_frame(frame: dict, label: Callable | None = None,
         return f"block {frame['block'][path]}" + (f" (LRU {rank})" if rank else "") + extra
 
     return plot_radix_tree(frame["edges"], text, frame["state"], ax=ax, level_width=1.6,
-                           title=f"{frame['event']}\nfree blocks {frame['free']} of "
-                                 f"{frame['num_blocks']}")
+                           title=f"{textwrap.fill(frame['event'], 60)}\nfree blocks "
+                                 f"{frame['free']} of {frame['num_blocks']}")
 
 
-def plot_radix_steps(frames: Sequence[dict], cols: int = 3,
+def plot_radix_steps(frames: Sequence[dict], cols: int = 2,
                      label: Callable | None = None) -> plt.Figure:
     """Every frame of :func:`radix_frames` side by side (the static view of the stepper)."""
     rows = -(-len(frames) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.0 * rows), squeeze=False)
     for i, ax in enumerate(axes.flat):
         if i < len(frames):
             plot_radix_frame(frames[i], label, ax=ax)
-            ax.set_title(f"step {i + 1}: " + ax.get_title(), fontsize=7)
+            ax.set_title(f"step {i + 1}: " + ax.get_title(), fontsize=9)
         else:
             ax.axis("off")
     fig.tight_layout()

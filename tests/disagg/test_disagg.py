@@ -60,6 +60,9 @@ def test_pair_equals_colocated_and_frees_every_block(reference, layerwise):
             blocks = -(-len(p) // OPTIONS["block_size"])
             assert llm.transfers[rid]["received"]["bytes"] == \
                 blocks * OPTIONS["block_size"] * cfg.kv_bytes_per_token(4)
+            t = llm.transfers[rid]      # one clock: the router's and the workers' times
+            assert t["arrival"] <= t["first_token"] and t["arrival"] <= t["sent"]["kv_ready"]
+            assert t["sent"]["start"] <= t["received"]["end"] <= t["first_decode"]
         assert_no_block_held(llm)
 
 
