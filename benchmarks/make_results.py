@@ -369,11 +369,6 @@ def sec_quant(d: dict) -> list[str]:
                    f"{num(r['ppl'], 2)} ({num(r['ppl_ratio'], 3)})",
                    f"{num(r['decode_tok_s'])} ({num(r['decode_speedup'], 2)})",
                    num(r["prefill_tok_s"]), num(r["quantize_s"]), r["kernel"]) for r in rows])
-    out += ["", "The speed and quality aims the JSON records:", "", caption(d, "quant"), ""]
-    out += table(["format", "decode x bf16", "aim", "perplexity x bf16", "at most", "both kept"],
-                 [(k, times(t["decode_speedup"]), times(t["target_speedup"], 1),
-                   num(t["ppl_ratio"], 3), num(t["target_ppl_ratio"], 2), yes(t["met"]))
-                  for k, t in d["targets"].items()])
     return out + [""] + figure("bench_quant", "quantization benchmark")
 
 
