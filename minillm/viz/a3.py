@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from .bench import plot_serve
+from .bench import LEGEND_BELOW, MARKERS, log_ticks_between, plot_serve
 
 
 def plot_categories(by_category: dict[str, float], title: str = "one decode step"):
@@ -103,16 +103,16 @@ def plot_serving(report: dict):
     ax = fig.add_subplot(grid[0, 3])
     for i, (name, s) in enumerate(ran["servers"].items()):
         ax.plot([r["rate"] for r in s["runs"]], [r["attainment"] for r in s["runs"]],
-                marker="o", color=f"C{i}", label=name)
+                marker=MARKERS[i % len(MARKERS)], color=f"C{i}", alpha=0.85, label=name)
     ax.set_ylim(-0.05, 1.05)
     ax.set_xlabel("request rate (req/s)")
-    ax.set_title("SLO attainment")
-    ax.legend(fontsize=7)
-    fig.set_size_inches(17, 3.8)
+    ax.set_title("SLO attainment (both SLOs)")
+    ax.grid(alpha=0.3)
+    fig.set_size_inches(17, 4.1)
     if skipped:
         fig.suptitle(fig.get_suptitle() + " | not run: " +
                      "; ".join(f"{k} ({v})" for k, v in skipped.items()), fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=LEGEND_BELOW)
     return fig
 
 
@@ -120,25 +120,31 @@ def plot_serving_at(report: dict, rate: float):
     """Every server that ran, at the sweep rate closest to ``rate``: TTFT p50/p99, TPOT
     p50/p99 and SLO attainment side by side."""
     ran, _ = ran_servers(report)
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
     names = list(ran["servers"])
     for i, name in enumerate(names):
         runs = ran["servers"][name]["runs"]
         r = min(runs, key=lambda r: abs(r["rate"] - rate))
         for ax, what, scale in ((axes[0], "ttft", 1), (axes[1], "tpot", 1e3)):
-            ax.bar([i - 0.2, i + 0.2], [(r[f"{what}_p50"] or 0) * scale,
-                                        (r[f"{what}_p99"] or 0) * scale],
-                   width=0.38, color=[f"C{i}", f"C{i}"], alpha=0.9)
-        axes[2].bar(i, r["attainment"], color=f"C{i}")
+            bars = ax.bar([i - 0.2, i + 0.2], [(r[f"{what}_p50"] or 0) * scale,
+                                               (r[f"{what}_p99"] or 0) * scale],
+                          width=0.38, color=f"C{i}", alpha=0.9, hatch=["", "//"],
+                          edgecolor="white")
+            ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        axes[2].bar_label(axes[2].bar(i, r["attainment"], color=f"C{i}"), fmt="%.2f",
+                          fontsize=8)
     slo = report["slo"]
-    for ax, title, limit in ((axes[0], "TTFT p50 | p99 (s)", slo["ttft_s"]),
-                             (axes[1], "TPOT p50 | p99 (ms)", slo["tpot_s"] * 1e3),
+    for ax, title, limit in ((axes[0], "TTFT (s): p50, p99 hatched", slo["ttft_s"]),
+                             (axes[1], "TPOT (ms): p50, p99 hatched", slo["tpot_s"] * 1e3),
                              (axes[2], "SLO attainment", None)):
         ax.set_xticks(range(len(names)), names)
         ax.set_title(title, fontsize=9)
         if limit is not None:
-            ax.axhline(limit, color="grey", ls=":", lw=0.8)
-    axes[2].set_ylim(0, 1.05)
+            ax.axhline(limit, color="grey", ls=":", lw=0.8, label="SLO")
+            heights = [p.get_height() for p in ax.patches if p.get_height() > 0] + [limit]
+            log_ticks_between(ax, min(heights), max(heights), "y")
+            ax.legend(fontsize=8, loc="upper left")
+    axes[2].set_ylim(0, 1.12)
     fig.suptitle(f"at {rate:g} req/s (nearest rate of the sweep per server)", fontsize=10)
     fig.tight_layout()
     return fig

@@ -86,18 +86,18 @@ def spec_colours(report: dict) -> dict[str, str]:
     return {m: f"C{i}" for i, m in enumerate(methods)}
 
 
-def log_ticks(ax, values) -> None:
-    """A log x axis labelled at ``values`` only (batch sizes, budgets, rates)."""
-    ax.set_xscale("log")
+def log_ticks(ax, values, axis: str = "x") -> None:
+    """A log ``axis`` ("x" or "y") labelled at ``values`` only (batch sizes, budgets, rates)."""
     ticks = sorted(set(values))
-    ax.set_xticks(ticks, [f"{v:g}" for v in ticks])
-    ax.xaxis.set_minor_locator(plt.NullLocator())
+    getattr(ax, f"set_{axis}scale")("log")
+    getattr(ax, f"set_{axis}ticks")(ticks, [f"{v:g}" for v in ticks])
+    getattr(ax, f"{axis}axis").set_minor_locator(plt.NullLocator())
 
 
-def log_ticks_between(ax, lo: float, hi: float) -> None:
-    """A log x axis labelled at the 1-2-5 values between ``lo`` and ``hi`` (e.g. ms)."""
+def log_ticks_between(ax, lo: float, hi: float, axis: str = "x") -> None:
+    """A log ``axis`` labelled at the 1-2-5 values between ``lo`` and ``hi`` (e.g. ms)."""
     nice = [m * 10 ** e for e in range(-3, 7) for m in (1, 2, 5)]
-    log_ticks(ax, [v for v in nice if lo / 1.5 <= v <= hi * 1.5] or [lo, hi])
+    log_ticks(ax, [v for v in nice if lo / 1.5 <= v <= hi * 1.5] or [lo, hi], axis)
 
 
 def speedup_by_batch(ax, report: dict) -> None:
@@ -369,35 +369,47 @@ def plot_blend_on(ax, blend: dict) -> None:
                  f"tokens, reordered", fontsize=9)
 
 
+MARKERS = "os^Dv"    # one per server, so that equal values stay visible
+LEGEND_BELOW = (0, 0.07, 1, 1)    # tight_layout's rect: room for a figure legend underneath
+
+
 def plot_serve(report: dict):
     """The serving sweep: TTFT and TPOT (p50 solid, p99 dashed; log scale, a saturated server's
     queue puts them far above the SLO line) and output tokens/s against the request rate, one
-    colour per server."""
+    colour and marker per server; one legend under the panels."""
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     servers = {n: s["runs"] for n, s in report["servers"].items() if s.get("runs")}
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
-    for i, (name, runs) in enumerate(servers.items()):
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.9))
+    for i, runs in enumerate(servers.values()):
         rates = [r["rate"] for r in runs]
+        style = dict(marker=MARKERS[i % len(MARKERS)], color=f"C{i}", alpha=0.85)
         for ax, what, scale in ((axes[0], "ttft", 1), (axes[1], "tpot", 1e3)):
-            for q, style in (("p50", "-"), ("p99", "--")):
-                ax.plot(rates, [(r[f"{what}_{q}"] or float("nan")) * scale for r in runs], style,
-                        marker="o", color=f"C{i}", label=f"{name} {q}")
-        axes[2].plot(rates, [r["output_tok_s"] for r in runs], marker="o", color=f"C{i}",
-                     label=name)
+            for q, line in (("p50", "-"), ("p99", "--")):
+                ax.plot(rates, [(r[f"{what}_{q}"] or float("nan")) * scale for r in runs], line,
+                        **style)
+        axes[2].plot(rates, [r["output_tok_s"] for r in runs], **style)
     slo = report["slo"]
     for ax, title, limit in ((axes[0], "TTFT (s)", slo["ttft_s"]),
                              (axes[1], "TPOT (ms)", slo["tpot_s"] * 1e3),
                              (axes[2], "output tokens / s", None)):
         if limit is not None:
-            ax.axhline(limit, color="grey", lw=0.8, ls=":", label="SLO")
-            ax.set_yscale("log")
+            ax.axhline(limit, color="grey", lw=0.8, ls=":")
+            values = [v for line in ax.get_lines() for v in line.get_ydata() if v == v and v > 0]
+            log_ticks_between(ax, min(values), max(values), "y")
         ax.set_xlabel("request rate (req/s)")
         ax.set_title(title)
-        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    handles = [Line2D([], [], color=f"C{i}", marker=MARKERS[i % len(MARKERS)], label=name)
+               for i, name in enumerate(servers)]
+    handles += [Line2D([], [], color="black", ls=ls, label=label) for ls, label in
+                (("-", "p50"), ("--", "p99"), (":", "SLO"))]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False,
+               fontsize=9)
     w = report["workload"]
     fig.suptitle(f"{w['num_requests']} requests per rate on {report['machine']['device']} "
                  f"({report['machine']['threads']} threads)", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=LEGEND_BELOW)
     return fig
 
