@@ -3,22 +3,34 @@
 Each ``check_*`` takes the student's function, compares it with the package on a few cases,
 prints a one-line verdict and returns a :class:`~minillm.labs.common.Result` (``passed`` is None
 while the exercise still raises NotImplementedError).
+
+Two exercises are written as one rank of a tensor-parallel group runs a decoder layer's MLP or
+attention (``mlp_on_rank``, ``attention_on_rank``). Their checkers run the function on ranks
+simulated by threads first, then on real gloo processes (:mod:`minillm.labs.ranks`), where
+it replaces that sub-layer in every layer of the package's tensor-parallel model
+(:func:`tp_logits_with`); the logits are compared with one process and the package's TP is
+timed on the same ranks.
 """
 from __future__ import annotations
 
 import copy
+import math
+import types
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import PRESETS
+from ..config import PRESETS, ModelConfig
 from ..model.layers import Attention, SwiGLU, rope_cos_sin
-from ..model.transformer import _heads_axis
+from ..model.transformer import Block, Transformer, _heads_axis
+from ..parallel import comm
 from ..parallel.pipeline import bubble_formula, simulate_pipeline
-from ..parallel.tensor import check_tp, kv_heads_of_rank
+from ..parallel.tensor import check_tp, kv_heads_of_rank, tensor_parallel
 from .common import Result, check
+from .in_engine import demo_model
+from .ranks import SimulatedRanks, on_ranks, shippable, timed
 
 
 def _ffn_partial(ffn: SwiGLU, x: torch.Tensor, rank: int, p: int) -> torch.Tensor:
@@ -206,3 +218,325 @@ def check_kv_heads(fn: Callable[[object, int, int], list[int]]) -> Result:
                                          f"rank {r}: got {got}, expected {want}")
 
     return check("kv_heads", attempt)
+
+
+# --- one rank's layer, inside the model on real ranks --------------------------------------
+
+KINDS = {"mlp": "x + ffn(ffn_norm(x))", "attention": "x + attn(attn_norm(x), cos, sin)"}
+
+
+def numbers_held(obj: object, skip: tuple = ()) -> int:
+    """How many numbers ``obj`` keeps alive: every tensor reachable from it (a function's
+    closure and defaults, a partial's arguments, an object's attributes, a module's parameters,
+    the items of lists, tuples, sets and dicts), each counted by its whole storage (a slice is
+    a view that keeps all of its matrix alive), each storage once. Module globals and the
+    objects in ``skip`` (say, the communication function it was handed) are not followed."""
+    seen: set[int] = {id(o) for o in skip}
+    storages: dict[int, int] = {}
+    todo = [obj]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or isinstance(o, (type, types.ModuleType, str, bytes, int, float)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes() // o.element_size()
+        elif isinstance(o, types.FunctionType):
+            todo += [c.cell_contents for c in o.__closure__ or () if _filled(c)]
+            todo += list(o.__defaults__ or ()) + list((o.__kwdefaults__ or {}).values())
+        elif isinstance(o, types.MethodType):
+            todo += [o.__self__, o.__func__]
+        elif isinstance(o, dict):
+            todo += list(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            todo += list(o)
+        elif hasattr(o, "__dict__") or hasattr(o, "func"):  # objects, modules, partials
+            todo += list(getattr(o, "__dict__", {}).values())
+            todo += [getattr(o, a) for a in ("func", "args", "keywords") if hasattr(o, a)]
+    return sum(storages.values())
+
+
+def _filled(cell: types.CellType) -> bool:
+    """Whether a closure cell holds a value (a name assigned later leaves it empty)."""
+    try:
+        cell.cell_contents  # noqa: B018 - reading it is the test
+    except ValueError:
+        return False
+    return True
+
+
+def share(kind: str, cfg: ModelConfig, world_size: int) -> int:
+    """The most numbers one rank's ``kind`` step ("mlp" or "attention") needs to keep: its
+    largest share of the layer's matrices (hidden units of w_gate, w_up and w_down; query
+    heads of wq and wo and the KV heads they read in wk and wv) and the layer's norm."""
+    d, p = cfg.d_model, world_size
+    if kind == "mlp":
+        return 3 * d * math.ceil(cfg.ffn_dim / p) + d
+    kv = max(cfg.n_kv_heads // p, 1)
+    return 2 * d * cfg.head_dim * (cfg.n_heads // p + kv) + d
+
+
+def _package_step(kind: str, block: Block) -> Callable[..., torch.Tensor]:
+    """The package's sub-layer of ``block`` as a step on the residual stream (the package's
+    TP sub-layer when ``block`` is a tensor-parallel shard)."""
+    if kind == "mlp":
+        return lambda x: x + block.ffn(block.ffn_norm(x))
+    return lambda x, cos, sin: x + block.attn(block.attn_norm(x), cos, sin)
+
+
+class _Steps(nn.Module):
+    """A decoder layer as two steps on the residual stream x [B, T, D]: ``attention(x, cos,
+    sin)`` then ``mlp(x)``, each returning the stream with its sub-layer added."""
+
+    def __init__(self, attention: Callable, mlp: Callable) -> None:
+        super().__init__()
+        self.attention, self.mlp = attention, mlp
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: object = None) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError("the steps of the tensor-parallel exercises run without a KV cache")
+        return self.mlp(self.attention(x, cos, sin))
+
+
+def _tp_splits(cfg: ModelConfig, world_size: int) -> bool:
+    """Whether the package's TP splits ``cfg`` over ``world_size`` ranks."""
+    try:
+        check_tp(cfg, world_size)
+    except ValueError:
+        return False
+    return True
+
+
+@torch.inference_mode()
+def tp_layers_on_rank(model: Transformer, input_ids: torch.Tensor, mlp: Callable | None,
+                      attention: Callable | None, repeats: int = 1) -> dict:
+    """What one rank runs for :func:`tp_logits_with`: the package's TP shard of ``model``
+    (:func:`~minillm.parallel.tensor.tensor_parallel`; the whole model where it does not
+    split), its logits and time; then the same shard with every layer's MLP and/or attention
+    replaced by the step ``mlp(block, rank, world_size, all_reduce)`` /
+    ``attention(...)`` makes of the model's whole layer, its logits, time, the shapes of the
+    steps' all-reduces in one forward pass and the numbers each step keeps."""
+    rank, p = comm.world()
+    reduces: list[tuple[int, ...]] = []
+
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        reduces.append(tuple(t.shape))
+        return comm.all_reduce(t, tag="exercise")
+
+    out: dict = {"package_logits": None, "package_seconds": None}
+    shard = model
+    if _tp_splits(model.cfg, p):
+        shard = tensor_parallel(model)
+        out["package_logits"], out["package_seconds"] = timed(shard, input_ids, repeats=repeats)
+    layers, held = [], {"mlp": [], "attention": []}
+    for block, base in zip(model.layers, shard.layers):
+        steps = {}
+        for kind, fn in (("attention", attention), ("mlp", mlp)):
+            steps[kind] = _package_step(kind, base) if fn is None else \
+                fn(block, rank, p, all_reduce)
+            if fn is not None:
+                held[kind].append(numbers_held(steps[kind], skip=(all_reduce,)))
+        layers.append(_Steps(steps["attention"], steps["mlp"]))
+    shard.layers = nn.ModuleList(layers)
+    out["logits"], out["seconds"] = timed(shard, input_ids, repeats=repeats)
+    out["reduces"] = reduces[:len(reduces) // max(1, repeats)]  # those of one forward pass
+    return {**out, "held": held}
+
+
+def tp_logits_with(model: Transformer, input_ids: torch.Tensor, world_size: int,
+                   mlp: Callable | None = None, attention: Callable | None = None,
+                   repeats: int = 1) -> list[dict]:
+    """``model`` on ``world_size`` gloo processes with your ``mlp_on_rank`` and/or
+    ``attention_on_rank`` as that sub-layer of every layer, the package's tensor parallelism
+    for the rest (the rest whole on every rank where the package's TP does not split the model
+    over ``world_size``); before it, the package's TP alone on the same processes. Per rank:
+    "logits" [B, T, V], "seconds" (one forward pass, best of ``repeats``), "reduces" (the shapes
+    your steps all-reduced in one pass), "held" ({"mlp": [...], "attention": [...]}: numbers
+    your step keeps, per layer), "package_logits" and "package_seconds" (None where the
+    package's TP does not split the model)."""
+    return on_ranks(tp_layers_on_rank, world_size, model, input_ids, shippable(mlp),
+                    shippable(attention), repeats, timeout_s=300.0)
+
+
+def _tol(dtype: torch.dtype) -> float:
+    """Relative tolerance of a sharded result against one process in ``dtype``."""
+    return {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 1e-2)
+
+
+def _simulated_step(kind: str, fn: Callable, model: Transformer, input_ids: torch.Tensor,
+                    world_size: int) -> None:
+    """``fn`` (the ``kind`` step's contract) for layer 0 of ``model`` on ``world_size`` ranks
+    simulated by threads, on the embedded ``input_ids``: one all-reduce of [B, T, D] per rank,
+    each rank's output equal to the whole sub-layer's, and no more numbers kept than
+    :func:`share` (AssertionError naming the first wrong rank)."""
+    block, cfg, p = model.layers[0], model.cfg, world_size
+    with torch.inference_mode():
+        x = model.embed(input_ids)
+        cos, sin = (_heads_axis(t) for t in rope_cos_sin(
+            torch.arange(input_ids.shape[1]), cfg.head_dim, cfg.rope_theta, model.dtype))
+        args = (x, cos, sin) if kind == "attention" else (x,)
+        want = _package_step(kind, block)(*args)
+    ranks = SimulatedRanks(p)
+
+    def body(rank: int) -> tuple:
+        reduces: list[tuple[int, ...]] = []
+        reduce = ranks.all_reduce(rank)
+
+        def all_reduce(t: torch.Tensor) -> torch.Tensor:
+            reduces.append(tuple(t.shape))
+            return reduce(t)
+
+        with torch.inference_mode():
+            step = fn(block, rank, p, all_reduce)
+            out = step(*(a.clone() for a in args))
+        return out, reduces, numbers_held(step, skip=(all_reduce,))
+
+    results = ranks.run(body)
+    case = f"layer 0 on {p} simulated ranks"
+    tol = _tol(model.dtype) * max(1.0, want.abs().max().item())
+    for rank, (out, reduces, held) in enumerate(results):
+        where = f"{case}, rank {rank}"
+        assert len(reduces) == 1, (
+            f"{where}: your step called all_reduce {len(reduces)} times in one forward pass; "
+            "the partial outputs are summed once per sub-layer")
+        assert reduces[0] == tuple(x.shape), (
+            f"{where}: your step all-reduced a tensor of shape {reduces[0]}; the partial "
+            f"outputs to sum are [B, T, D] = {tuple(x.shape)}")
+        assert isinstance(out, torch.Tensor) and out.shape == want.shape, (
+            f"{where}: forward returned {tuple(getattr(out, 'shape', ()))}, expected "
+            f"{tuple(want.shape)}")
+        err = (out - want).abs().max().item()
+        if err > tol:
+            raise AssertionError(f"{where}: the output differs from {KINDS[kind]} by "
+                                 f"{err:.2e}{_hint(kind, cfg, p, out - want, x, tol)}")
+        limit = share(kind, cfg, p) + cfg.d_model
+        assert held <= limit, (
+            f"{where}: your step keeps {held:,} numbers alive, more than this rank's share of "
+            f"the layer ({share(kind, cfg, p):,} with the norm): keep copies (.clone()) of "
+            "this rank's slices and the norm, not the block, its whole matrices or views of "
+            "them")
+
+
+def _hint(kind: str, cfg: ModelConfig, p: int, diff: torch.Tensor, x: torch.Tensor,
+          tol: float) -> str:
+    """A likely cause of a step's wrong output, or ""."""
+    if p > 1 and (diff - (p - 1) * x).abs().max().item() <= tol * p:
+        return (f" ({p - 1} x the residual x too much: added on every rank before the "
+                f"all-reduce, the residual is counted {p} times in the sum)")
+    if kind == "mlp" and cfg.ffn_dim % p:
+        return (f" ({p} ranks do not divide ffn_dim={cfg.ffn_dim}: do the shares cover every "
+                "hidden unit exactly once?)")
+    if kind == "attention" and p > cfg.n_kv_heads:
+        return (f" ({p} ranks, {cfg.n_kv_heads} KV heads: does each rank keep the KV head its "
+                "query heads read?)")
+    return ""
+
+
+def _on_ranks_check(kind: str, fn: Callable, model: Transformer, input_ids: torch.Tensor,
+                    world_sizes: tuple[int, ...], repeats: int) -> None:
+    """``fn`` as every layer's ``kind`` sub-layer of the model on real gloo ranks
+    (:func:`tp_logits_with`): the logits must equal one process's; prints a line per world
+    size with the numbers kept, the all-reduces and both versions' times."""
+    cfg = model.cfg
+    with torch.inference_mode():
+        want = model(input_ids)
+    tol = _tol(model.dtype) * max(1.0, want.abs().max().item())
+    whole = share(kind, cfg, 1)
+    lines = []
+    for p in world_sizes:
+        res = tp_logits_with(model, input_ids, p, repeats=repeats, **{kind: fn})
+        err = max((r["logits"] - want).abs().max().item() for r in res)
+        assert err <= tol, (f"on {p} gloo ranks, your {kind} in every layer: the logits differ "
+                            f"from one process by {err:.2e}")
+        calls = [len(r["reduces"]) for r in res]
+        assert calls == [cfg.n_layers] * p, (
+            f"on {p} gloo ranks: your steps made {calls} all-reduces per rank in one forward "
+            f"pass, expected one per layer ({cfg.n_layers})")
+        same = (res[0]["logits"].argmax(-1) == want.argmax(-1)).sum().item()
+        held = max(max(r["held"][kind]) for r in res)
+        package = (f"the package's TP {1e3 * max(r['package_seconds'] for r in res):.1f} ms"
+                   if res[0]["package_seconds"] is not None else
+                   f"the package's TP does not split this model over {p} ranks, so the rest of "
+                   "the model ran whole on every rank")
+        lines.append(f"{p} ranks: logits max |diff| {err:.1e} (next token the same at {same} of "
+                     f"{input_ids.numel()} positions); a rank keeps at most {held:,} of the "
+                     f"{whole:,} numbers of a layer's {kind}; {cfg.n_layers} all-reduces of "
+                     f"yours per forward pass; {1e3 * max(r['seconds'] for r in res):.1f} ms "
+                     f"per forward pass ({package})")
+    print(f"your {kind} in every layer of {cfg.name}, on gloo processes:\n  "
+          + "\n  ".join(lines))
+
+
+def _demo_ids() -> torch.Tensor:
+    """The default input of the checks on ranks: 2 seeded random prompts of 9 tokens."""
+    return torch.randint(5, 2000, (2, 9), generator=torch.Generator().manual_seed(5))
+
+
+def check_mlp_on_ranks(fn: Callable, model: Transformer | None = None,
+                       input_ids: torch.Tensor | None = None, world_sizes: tuple[int, ...] = (2,),
+                       repeats: int = 1) -> Result:
+    """``fn(block, rank, world_size, all_reduce)`` -> ``forward(x)``: one rank's MLP of a
+    decoder layer under tensor parallelism. ``block`` is the model's whole layer (its
+    ``ffn_norm`` and SwiGLU ``ffn``); the rank keeps copies of its hidden units
+    [r F // P, (r+1) F // P) of w_gate, w_up and w_down (F = ffn_dim) and the norm, and
+    ``forward`` maps the residual stream x [B, T, D] (the same on every rank) to
+    x + ffn(ffn_norm(x)) on every rank, with one ``all_reduce(t)`` (the sum of t over the
+    ranks). First on ranks simulated by threads for layer 0, at each of ``world_sizes`` and at
+    the smallest P that does not divide F; then on real gloo processes for each of
+    ``world_sizes``, as every layer's MLP of ``model`` (default: the tiny float64 demo model;
+    its logits on ``input_ids`` [B, T] must equal one process's) next to the package's TP."""
+    model = demo_model() if model is None else model
+    input_ids = _demo_ids() if input_ids is None else input_ids
+    ffn_dim = model.cfg.ffn_dim
+    bad = [p for p in world_sizes if not (isinstance(p, int) and 1 <= p <= ffn_dim)]
+    if bad or not world_sizes:
+        raise ValueError(f"world_sizes must be ints in [1, ffn_dim={ffn_dim}], got {world_sizes}")
+    uneven = next((p for p in range(2, ffn_dim + 1) if ffn_dim % p), None)
+
+    def attempt() -> None:
+        for p in sorted(set(world_sizes) | ({uneven} if uneven else set())):
+            _simulated_step("mlp", fn, model, input_ids, p)
+        _on_ranks_check("mlp", fn, model, input_ids, tuple(world_sizes), repeats)
+
+    return check("mlp_on_ranks", attempt)
+
+
+def _head_splits(cfg: ModelConfig, p: int) -> bool:
+    """Whether ``p`` ranks split the query heads evenly and the KV heads split or copy."""
+    return cfg.n_heads % p == 0 and (cfg.n_kv_heads % p == 0 or p % cfg.n_kv_heads == 0)
+
+
+def check_attention_on_ranks(fn: Callable, model: Transformer | None = None,
+                             input_ids: torch.Tensor | None = None,
+                             world_sizes: tuple[int, ...] = (2,), repeats: int = 1) -> Result:
+    """``fn(block, rank, world_size, all_reduce)`` -> ``forward(x, cos, sin)``: one rank's
+    attention of a decoder layer under tensor parallelism. ``block`` is the model's whole
+    layer (its ``attn_norm`` and ``attn``); the rank keeps copies of its query heads
+    [r H/P, (r+1) H/P) of wq, the KV heads those read of wk and wv (query head h reads KV head
+    h // (H / H_kv)), the matching columns of wo's weight and the norm, and ``forward`` maps
+    the residual stream x [B, T, D] (the same on every rank; cos, sin [1, 1, T, head_dim]) to
+    x + attn(attn_norm(x), cos, sin) on every rank, with one ``all_reduce(t)``. First on ranks
+    simulated by threads for layer 0, at each of ``world_sizes`` and at the smallest P that
+    copies KV heads (P > H_kv); then on real gloo processes for each of ``world_sizes``, as
+    every layer's attention of ``model`` (default: the tiny float64 demo model; its logits on
+    ``input_ids`` [B, T] must equal one process's) next to the package's TP."""
+    model = demo_model() if model is None else model
+    input_ids = _demo_ids() if input_ids is None else input_ids
+    cfg = model.cfg
+    bad = [p for p in world_sizes if not (isinstance(p, int) and p >= 1 and _head_splits(cfg, p))]
+    if bad or not world_sizes:
+        allowed = [p for p in range(1, cfg.n_heads + 1) if _head_splits(cfg, p)]
+        raise ValueError(f"world_sizes must split the {cfg.n_heads} query heads evenly and the "
+                         f"{cfg.n_kv_heads} KV heads (or copy them): allowed {allowed}, got "
+                         f"{world_sizes}")
+    copies = next((p for p in range(cfg.n_kv_heads + 1, cfg.n_heads + 1)
+                   if _head_splits(cfg, p)), None)
+
+    def attempt() -> None:
+        for p in sorted(set(world_sizes) | ({copies} if copies else set())):
+            _simulated_step("attention", fn, model, input_ids, p)
+        _on_ranks_check("attention", fn, model, input_ids, tuple(world_sizes), repeats)
+
+    return check("attention_on_ranks", attempt)

@@ -6,30 +6,21 @@ while the exercise still raises NotImplementedError).
 
 The ring and the Ulysses exercises are written as one rank runs them, talking to the others
 through a function they are handed (``pass_on``, ``all_to_all``). Their first checkers run the
-P ranks as threads of one process (:class:`SimulatedRanks`); :func:`check_ring_attention_on_ranks`
-and :func:`check_ulysses_on_ranks` then run the same functions on real ``torch.distributed``
-processes (gloo, :func:`minillm.parallel.run`) over a SmolLM2 attention layer, next to the
-package's versions. A function defined in a notebook reaches those processes by value
-(:class:`ShippedFunction`).
+P ranks as threads of one process (:class:`~minillm.labs.ranks.SimulatedRanks`);
+:func:`check_ring_attention_on_ranks` and :func:`check_ulysses_on_ranks` then run the same
+functions on real ``torch.distributed`` processes (gloo, :func:`minillm.parallel.run`) over a
+SmolLM2 attention layer, next to the package's versions. A function defined in a notebook
+reaches those processes by value (:class:`~minillm.labs.ranks.ShippedFunction`).
 """
 from __future__ import annotations
 
-import builtins
-import dis
-import importlib
-import marshal
-import threading
-import time
-import types
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..config import get_preset
 from ..parallel import comm
-from ..parallel.launch import run
 from ..parallel.sequence import (
     LAYOUTS,
     check_ulysses,
@@ -46,6 +37,7 @@ from ..parallel.sequence import (
     ulysses_bytes,
 )
 from .common import Result, check
+from .ranks import Counted, SimulatedRanks, on_ranks, shippable, timed
 
 
 def check_merge(fn: Callable) -> Result:
@@ -86,96 +78,6 @@ def check_merge(fn: Callable) -> Result:
 
 
 # --- ranks simulated by threads -------------------------------------------------------------
-
-
-class Stranded(AssertionError):
-    """A rank waited in an exchange that some other rank will never join."""
-
-
-class SimulatedRanks:
-    """``world_size`` ranks as threads of one process, meeting in :meth:`swap`: a collective
-    that every rank must call the same number of times (as with real processes). It counts
-    each rank's calls and the bytes it sent; a rank left waiting because another returned
-    (or failed) raises :class:`Stranded` instead of hanging."""
-
-    def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
-        self.world_size, self.timeout_s = world_size, timeout_s
-        self.cond = threading.Condition()
-        self.rounds: list[list[Any]] = []
-        self.calls = [0] * world_size
-        self.sent = [0] * world_size
-        self.done = [False] * world_size
-
-    def swap(self, rank: int, sends: list[Any]) -> list[Any]:
-        """``sends[j]``: what ``rank`` sends to rank j (None: nothing) -> what each rank sent
-        to ``rank``, in rank order. Blocks until every rank has made this call."""
-        with self.cond:
-            n = self.calls[rank]
-            self.calls[rank] += 1
-            self.sent[rank] += sum(t.numel() * t.element_size() for j, item in enumerate(sends)
-                                   if j != rank and item is not None
-                                   for t in (item if isinstance(item, list) else [item]))
-            if n == len(self.rounds):
-                self.rounds.append([None] * self.world_size)
-            box = self.rounds[n]
-            box[rank] = sends
-            self.cond.notify_all()
-            full = lambda: all(b is not None for b in box)  # noqa: E731
-            self.cond.wait_for(lambda: full() or any(self.done), timeout=self.timeout_s)
-            if not full():
-                raise Stranded(f"rank {rank} made exchange {n + 1} while another rank never "
-                               "did: every rank must make the same exchanges")
-            return [box[i][rank] for i in range(self.world_size)]
-
-    def run(self, body: Callable[[int], Any]) -> list[Any]:
-        """``body(rank)`` on every rank at once; their results in rank order. Re-raises the
-        first error of a rank (a stranded rank's only when no rank failed otherwise)."""
-        results: list[Any] = [None] * self.world_size
-        errors: list[BaseException | None] = [None] * self.world_size
-
-        def one(rank: int) -> None:
-            try:
-                results[rank] = body(rank)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                errors[rank] = e
-            finally:
-                with self.cond:
-                    self.done[rank] = True
-                    self.cond.notify_all()
-
-        threads = [threading.Thread(target=one, args=(r,), daemon=True)
-                   for r in range(self.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        first = next((e for e in errors if e is not None and not isinstance(e, Stranded)),
-                     next((e for e in errors if e is not None), None))
-        if isinstance(first, Stranded):
-            raise AssertionError(f"{first} (exchanges per rank: {self.calls})")
-        if first is not None:
-            raise first
-        return results
-
-    def pass_on(self, rank: int) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-        """Rank ``rank``'s ``pass_on``: send a list of tensors to the next rank, return the
-        list the previous one sent (copies, as a network would deliver)."""
-        def pass_on(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-            sends: list[Any] = [None] * self.world_size
-            sends[(rank + 1) % self.world_size] = [t.clone() for t in tensors]
-            return self.swap(rank, sends)[(rank - 1) % self.world_size]
-
-        return pass_on
-
-    def all_to_all(self, rank: int) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-        """Rank ``rank``'s ``all_to_all``: chunks[j] goes to rank j; returns the chunks the
-        ranks sent to this one, in rank order."""
-        def all_to_all(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
-            assert len(chunks) == self.world_size, (
-                f"all_to_all takes one tensor per rank ({self.world_size}), got {len(chunks)}")
-            return self.swap(rank, [c.clone() for c in chunks])
-
-        return all_to_all
 
 
 def _simulated_ring(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -332,81 +234,6 @@ def check_comm_bytes(fn: Callable[[int, int, int, int, int, str], int]) -> Resul
 # --- the student's code on real ranks ------------------------------------------------------
 
 
-def _global_names(code: types.CodeType) -> set[str]:
-    """The global names ``code`` and the functions defined inside it read or write."""
-    names = {i.argval for i in dis.get_instructions(code)
-             if i.opname in ("LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL")}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _global_names(const)
-    return names
-
-
-def _by_value(obj: object) -> bool:
-    """A Python function that another process cannot import by name (one defined in a
-    notebook, a script or a test module, not in minillm)."""
-    return isinstance(obj, types.FunctionType) and \
-        not (obj.__module__ or "").startswith("minillm")
-
-
-class ShippedFunction:
-    """A function made picklable by value, so that the processes of
-    :func:`minillm.parallel.run` can call it although it lives in a notebook (whose
-    ``__main__`` they cannot import): its code (``marshal``), defaults and closure, and the
-    globals it uses, followed through the other such functions it calls (one shared
-    namespace, so they may call each other): modules by name, such functions among the
-    defaults and the closure shipped the same way, anything else pickled as usual. Calling
-    it rebuilds the functions once in the receiving process."""
-
-    def __init__(self, fn: types.FunctionType) -> None:
-        self.name = fn.__name__
-        self.functions: dict[str, tuple] = {}
-        self.modules: dict[str, str] = {}
-        self.values: dict[str, Any] = {}
-        self._fn: Callable | None = None
-        self._collect(self.name, fn)
-
-    def _collect(self, name: str, fn: types.FunctionType) -> None:
-        if name in self.functions:
-            return
-        closure = tuple(shippable(c.cell_contents) for c in fn.__closure__ or ())
-        defaults = tuple(shippable(d) for d in fn.__defaults__ or ()) or None
-        kwdefaults = {k: shippable(d) for k, d in (fn.__kwdefaults__ or {}).items()} or None
-        self.functions[name] = (marshal.dumps(fn.__code__), defaults, kwdefaults, closure)
-        for ref in sorted(_global_names(fn.__code__)):
-            if ref not in fn.__globals__ or ref in self.modules or ref in self.values:
-                continue
-            value = fn.__globals__[ref]
-            if isinstance(value, types.ModuleType):
-                self.modules[ref] = value.__name__
-            elif _by_value(value):
-                self._collect(ref, value)
-            else:
-                self.values[ref] = value
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fn": None}
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fn is None:
-            ns: dict[str, Any] = {"__builtins__": builtins, "__name__": "shipped"}
-            ns.update({k: importlib.import_module(m) for k, m in self.modules.items()})
-            ns.update(self.values)
-            for name, (code, defaults, kwdefaults, closure) in self.functions.items():
-                cells = tuple(types.CellType(c) for c in closure) or None
-                f = types.FunctionType(marshal.loads(code), ns, name, defaults, cells)
-                f.__kwdefaults__ = kwdefaults
-                ns[name] = f
-            self._fn = ns[self.name]
-        return self._fn(*args, **kwargs)
-
-
-def shippable(obj: Any) -> Any:
-    """``obj`` as the ranks of :func:`minillm.parallel.run` can receive it: a
-    :class:`ShippedFunction` for a function they cannot import, else ``obj`` itself."""
-    return ShippedFunction(obj) if _by_value(obj) else obj
-
-
 def _rank_pass_on(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``pass_on`` on a real rank: each tensor to rank r+1, one of the same shape from r-1
     (gloo point-to-point), the bytes logged in :mod:`minillm.parallel.comm`."""
@@ -433,25 +260,6 @@ def _rank_all_to_all(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(got.unbind(0))
 
 
-class _Counted:
-    """A communication function that counts its calls."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn, self.calls = fn, 0
-
-    def __call__(self, *args: Any) -> Any:
-        self.calls += 1
-        return self.fn(*args)
-
-
-def _timed(fn: Callable, *args: Any) -> tuple[Any, float]:
-    """(fn(*args), seconds), started after a barrier of all ranks."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t0
-
-
 @torch.inference_mode()
 def ring_on_rank(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  causal: bool) -> list[dict]:
@@ -463,11 +271,11 @@ def ring_on_rank(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     for layout in LAYOUTS:
         pos = shard_positions(q.shape[2], p, layout)[rank]
         ql, kl, vl = (take(x, pos) for x in (q, k, v))
-        pass_on = _Counted(_rank_pass_on)
+        pass_on = Counted(_rank_pass_on)
         comm.reset()
-        out, seconds = _timed(fn, ql, kl, vl, pos.clone(), causal, p, pass_on)
+        out, seconds = timed(fn, ql, kl, vl, pos.clone(), causal, p, pass_on)
         sent = sum(e.sent for e in comm.events())
-        _, package_seconds = _timed(ring_attention, ql, kl, vl, pos, pos, causal)
+        _, package_seconds = timed(ring_attention, ql, kl, vl, pos, pos, causal)
         results.append({"out": out, "pos": pos, "calls": pass_on.calls, "sent": sent,
                         "seconds": seconds, "package_seconds": package_seconds})
     return results
@@ -485,7 +293,7 @@ def ulysses_on_rank(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     pos = shard_positions(q.shape[2], p, "contiguous")[rank]
     ql, kl, vl = (take(x, pos) for x in (q, k, v))
     all_pos = gather_positions(pos)
-    a2a = _Counted(_rank_all_to_all)
+    a2a = Counted(_rank_all_to_all)
     comm.reset()
 
     def ulysses() -> tuple[torch.Tensor | None, list]:
@@ -497,9 +305,9 @@ def ulysses_on_rank(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         out, _ = masked_attention(*heads, all_pos, all_pos, causal)
         return heads_to_seq(out), shapes
 
-    (out, shapes), seconds = _timed(ulysses)
+    (out, shapes), seconds = timed(ulysses)
     sent = sum(e.sent for e in comm.events() if e.tag == "exercise all-to-all")
-    _, package_seconds = _timed(ulysses_attention, ql, kl, vl, pos, causal)
+    _, package_seconds = timed(ulysses_attention, ql, kl, vl, pos, causal)
     return {"out": out, "pos": pos, "heads": shapes, "calls": a2a.calls, "sent": sent,
             "seconds": seconds, "package_seconds": package_seconds}
 
@@ -512,18 +320,6 @@ def layer_qkv(seq_len: int = 37, seed: int = 0) -> tuple[torch.Tensor, ...]:
     return (torch.randn(1, cfg.n_heads, seq_len, cfg.head_dim, generator=gen),
             *(torch.randn(1, cfg.n_kv_heads, seq_len, cfg.head_dim, generator=gen)
               for _ in "kv"))
-
-
-def _on_ranks(worker: Callable, world_size: int, *args: Any) -> list:
-    """``worker(*args)`` on ``world_size`` gloo processes; a rank's failure becomes an
-    AssertionError with its last lines (a NotImplementedError stays one)."""
-    try:
-        return run(worker, world_size, *args, backend="gloo", timeout_s=120.0)
-    except RuntimeError as e:
-        lines = [line for line in str(e).splitlines() if line.strip()]
-        if any(line.startswith("NotImplementedError") for line in lines[-1:]):
-            raise NotImplementedError from None
-        raise AssertionError(f"on {world_size} gloo ranks: {lines[0]} ... {lines[-1]}") from None
 
 
 def check_ring_attention_on_ranks(fn: Callable, q: torch.Tensor | None = None,
@@ -553,7 +349,7 @@ def check_ring_attention_on_ranks(fn: Callable, q: torch.Tensor | None = None,
         want, _ = masked_attention(q.double(), k.double(), v.double(), full, full, causal)
         lines = []
         for p in world_sizes:
-            ranks = _on_ranks(ring_on_rank, p, shippable(fn), q, k, v, causal)
+            ranks = on_ranks(ring_on_rank, p, shippable(fn), q, k, v, causal)
             for i, layout in enumerate(LAYOUTS):
                 out = torch.zeros_like(want)
                 for r in ranks:
@@ -601,7 +397,7 @@ def check_ulysses_on_ranks(fn: Callable, q: torch.Tensor | None = None,
             outs, calls = _simulated_seq_to_heads(fn, [take(x, r) for r in pos])
             _assert_heads(outs, calls, take(x, torch.cat(pos)), f"simulated, {name}, P={p}")
         want, _ = masked_attention(q.double(), k.double(), v.double(), full, full, causal)
-        ranks = _on_ranks(ulysses_on_rank, p, shippable(fn), q, k, v, causal)
+        ranks = on_ranks(ulysses_on_rank, p, shippable(fn), q, k, v, causal)
         for r, res in enumerate(ranks):
             assert res["out"] is not None, (f"{p} gloo ranks, rank {r}: seq_to_heads gave "
                                             f"shapes {res['heads']} for q, k, v")

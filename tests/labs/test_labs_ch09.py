@@ -7,7 +7,7 @@ import pytest
 import torch
 from lab_checks import checker_tests
 
-from minillm.labs import ch09
+from minillm.labs import ch09, ranks
 from minillm.labs.solutions import ch09 as key
 
 # --- wrong solutions -----------------------------------------------------------------------
@@ -145,15 +145,15 @@ def helper(x):
 def test_shipped_function_round_trip():
     """A function no other process can import (this test module's) travels by value: its code,
     the module-level functions and modules it uses, its defaults (a lambda among them)."""
-    shipped = ch09.shippable(_scaled)
-    assert isinstance(shipped, ch09.ShippedFunction)
+    shipped = ranks.shippable(_scaled)
+    assert isinstance(shipped, ranks.ShippedFunction)
     again = pickle.loads(pickle.dumps(shipped))
     assert again(torch.tensor([1.0, 2.0]), 3).tolist() == [5.0, 8.0]
-    assert ch09.shippable(key.merge) is key.merge  # importable: sent by name
+    assert ranks.shippable(key.merge) is key.merge  # importable: sent by name
 
 
 def test_a_stranded_rank_is_named():
     """A rank that exchanges once more than the others fails with the counts, not a hang."""
-    ranks = ch09.SimulatedRanks(2, timeout_s=5)
+    sim = ranks.SimulatedRanks(2, timeout_s=5)
     with pytest.raises(AssertionError, match=r"exchanges per rank: \[2, 1\]"):
-        ranks.run(lambda r: [ranks.pass_on(r)([torch.zeros(1)]) for _ in range(2 - r)])
+        sim.run(lambda r: [sim.pass_on(r)([torch.zeros(1)]) for _ in range(2 - r)])

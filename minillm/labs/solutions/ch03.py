@@ -43,6 +43,48 @@ def _rope(x, cos, sin):
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
+def mlp_on_rank(block, rank, world_size, all_reduce):
+    ffn, f = block.ffn, block.ffn.w_gate.weight.shape[0]
+    units = slice(rank * f // world_size, (rank + 1) * f // world_size)  # uneven: +-1 unit
+    w_gate = ffn.w_gate.weight[units].clone()  # copies: a slice would keep the whole matrix
+    w_up = ffn.w_up.weight[units].clone()
+    w_down = ffn.w_down.weight[:, units].clone()
+    norm = block.ffn_norm  # replicated: every rank normalises the same x
+
+    def forward(x):
+        h = norm(x)
+        partial = (F.silu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T
+        return x + all_reduce(partial)  # the residual once, after the sum
+
+    return forward
+
+
+def attention_on_rank(block, rank, world_size, all_reduce):
+    attn, norm = block.attn, block.attn_norm
+    h, hkv, hd = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    per, group = h // world_size, h // hkv
+    heads = range(rank * per, (rank + 1) * per)
+    kv = range(heads.start // group, (heads.stop - 1) // group + 1)  # the KV heads they read
+    q_rows = slice(heads.start * hd, heads.stop * hd)
+    kv_rows = slice(kv.start * hd, kv.stop * hd)
+    wq, wo = attn.wq.weight[q_rows].clone(), attn.wo.weight[:, q_rows].clone()
+    wk, wv = attn.wk.weight[kv_rows].clone(), attn.wv.weight[kv_rows].clone()
+
+    def forward(x, cos, sin):
+        b, t, _ = x.shape
+        y = norm(x)
+        q = (y @ wq.T).view(b, t, per, hd).transpose(1, 2)
+        k = (y @ wk.T).view(b, t, len(kv), hd).transpose(1, 2)
+        v = (y @ wv.T).view(b, t, len(kv), hd).transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        k = k.repeat_interleave(per // len(kv), dim=1)
+        v = v.repeat_interleave(per // len(kv), dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + all_reduce(out.transpose(1, 2).reshape(b, t, per * hd) @ wo.T)
+
+    return forward
+
+
 def gpipe_slots(p, m):
     return [[s + i for i in range(m)] for s in range(p)]
 
@@ -76,7 +118,9 @@ def kv_heads(cfg, rank, world_size):
 
 KEY = [
     (ch03.check_ffn_partials, ffn_partials),
+    (ch03.check_mlp_on_ranks, mlp_on_rank),
     (ch03.check_attention_partials, attention_partials),
+    (ch03.check_attention_on_ranks, attention_on_rank),
     (ch03.check_gpipe_slots, gpipe_slots),
     (ch03.check_gpipe_times, gpipe_times),
     (ch03.check_dispatch_counts, dispatch_counts),
