@@ -3,18 +3,29 @@
 Each ``check_*`` takes the student's function, compares it with :mod:`minillm.course.a2_roofline`
 or with torch on a few cases, prints a one-line verdict and returns a
 :class:`~minillm.labs.common.Result` (``passed`` is None while the exercise still raises
-NotImplementedError). :func:`check_add_2d` and :func:`check_softmax_rows` run the student's
-Triton launchers, so on a CPU Triton must already be in interpreter mode
+NotImplementedError). :func:`check_add_2d`, :func:`check_softmax_rows`,
+:func:`check_softmax_in_model` and :func:`check_matmul_in_model` run the student's Triton
+launchers, so on a CPU Triton must already be in interpreter mode
 (:func:`minillm.device.setup_triton` before the kernel is defined); this module imports no
 Triton itself.
+
+The two builds run inside the model: the student's row softmax becomes the softmax of every
+attention layer (:func:`softmax_attention`), the student's tiled matrix product the output
+projection of every attention layer (:func:`matmul_replaced`); the model must then generate
+the package's greedy tokens with the package's logits
+(:func:`minillm.labs.in_engine.assert_runs_in_model`).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
+from torch import nn
 
+from ..attention import AttentionFn, causal_mask
+from ..checkpoint.tokenizer import Tokenizer
 from ..course.a2_roofline import (
     GPU_SPECS,
     HOPPER_SM,
@@ -24,7 +35,9 @@ from ..course.a2_roofline import (
     tiled_matmul_bytes,
 )
 from ..device import default_device
+from ..model.transformer import Transformer
 from .common import Result, check
+from .in_engine import assert_runs_in_model, attention_set, demo_model, demo_prompts, full_precision
 
 
 def check_blocks_per_sm(fn: Callable[[int, int, int], int]) -> Result:
@@ -185,3 +198,180 @@ def check_tiled_matmul_bytes(fn: Callable[[int, int, int, int, int, int], int]) 
                                  f"got {got:,} bytes, expected {want:,}")
 
     return check("tiled_matmul_bytes", attempt)
+
+
+# --- the student's kernels inside the model ---------------------------------------------------
+
+ROW_ALIGN = 16  # the attention scores' rows are padded to a multiple of this many columns
+
+
+def _in_model(replaced: Callable[[Transformer, list[str]], AbstractContextManager[int]],
+              what: str, model: Transformer | None, prompts: list[list[int]] | None,
+              output_lens: list[int] | None, tok: Tokenizer | None) -> None:
+    """:func:`~minillm.labs.in_engine.assert_runs_in_model` with the Triton builds' defaults: the
+    demo model on the device Triton runs on (the GPU, else the CPU's interpreter) and two short
+    seeded prompts (the interpreter runs one program at a time); a 16-bit model is checked as a
+    float32 copy (:func:`~minillm.labs.in_engine.full_precision`). ``replaced(model, wrong)``
+    puts the student's kernel in place and describes its first wrong result in ``wrong``,
+    which a failure's message then ends with."""
+    model = full_precision(model) if model is not None else demo_model().to(default_device())
+    if prompts is None:
+        prompts, output_lens = [p[:n] for p, n in zip(demo_prompts(2)[0], (7, 5))], [4, 3]
+    if output_lens is None:
+        raise ValueError("output_lens must be given with prompts: one length per prompt")
+    wrong: list[str] = []
+    try:
+        assert_runs_in_model(model, prompts, output_lens, lambda: replaced(model, wrong), what,
+                             tok)
+    except AssertionError as e:
+        raise AssertionError("; ".join([str(e), *wrong])) from None
+
+
+def _note_first_wrong(wrong: list[str], got: torch.Tensor, want: torch.Tensor, what: str,
+                      rtol: float) -> None:
+    """Describe ``what`` in ``wrong`` unless an earlier result is there already or ``got`` is
+    within ``rtol`` of the largest |want| (want in float64)."""
+    if wrong:
+        return
+    err = ((got.double() - want).abs().max() / want.abs().max()).item()
+    if not err <= rtol:
+        wrong.append(f"the first wrong {what} " + ("gives NaN" if math.isnan(err) else
+                                                   f"is off by {err:.1e} of its largest value"))
+
+
+def softmax_attention(softmax_fn: Callable[[torch.Tensor, int], torch.Tensor], block: int,
+                      wrong: list[str] | None = None) -> AttentionFn:
+    """Causal attention whose softmax is ``softmax_fn(x, block)`` (exercise 3's contract: x
+    [rows, L] fp32 -> its row softmax): q [B, H, T, d], k/v [B, H_kv, L, d] (the T queries are
+    the last T of the L positions) -> [B, H, T, d] in q's dtype, the contract of
+    :data:`minillm.attention.AttentionFn`.
+
+    The scores q k^T / sqrt(d), with -inf above the causal diagonal, are handed to
+    ``softmax_fn`` as fp32 rows [B * H * T, L] that live in a buffer whose rows are padded to a
+    multiple of :data:`ROW_ALIGN` columns (NaN in the padding): the row stride is not L. The
+    probabilities come back in q's dtype and multiply v. The first call whose probabilities
+    differ from torch.softmax is described in ``wrong``."""
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, h, t, d = q.shape
+        length, group = k.shape[-2], h // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+        scores = scores.masked_fill(~causal_mask(t, length, q.device), float("-inf"))
+        padded = -(-length // ROW_ALIGN) * ROW_ALIGN
+        rows = torch.full((b * h * t, padded), float("nan"), dtype=torch.float32,
+                          device=q.device)[:, :length]
+        rows.copy_(scores.reshape(-1, length))
+        probs = softmax_fn(rows, block)
+        assert isinstance(probs, torch.Tensor) and probs.shape == rows.shape, (
+            f"softmax_rows returned {getattr(probs, 'shape', type(probs).__name__)} for scores "
+            f"of shape {tuple(rows.shape)}")
+        if wrong is not None:
+            _note_first_wrong(wrong, probs, torch.softmax(rows.double(), -1),
+                              f"softmax, of {rows.shape[0]} rows of {length} scores (row stride "
+                              f"{rows.stride(0)}) in tiles of {block},", 1e-5)
+        return probs.to(q.dtype).reshape(b, h, t, length) @ v
+
+    return attention
+
+
+def check_softmax_in_model(fn: Callable[[torch.Tensor, int], torch.Tensor],
+                           model: Transformer | None = None,
+                           prompts: list[list[int]] | None = None,
+                           output_lens: list[int] | None = None, tok: Tokenizer | None = None,
+                           block: int = 4) -> Result:
+    """Exercise 3's ``softmax_rows`` is the softmax of every attention layer
+    (:func:`softmax_attention` with tiles of ``block`` columns, so most rows span several
+    tiles and end in a ragged one): ``model`` (default: the tiny preset, random weights,
+    float64; a 16-bit model as a float32 copy) must generate the package's greedy tokens for
+    ``prompts`` (default: two short seeded random ones) and give the package's logits in one
+    uncached pass. The scores reach the kernel as a strided view (rows padded to
+    :data:`ROW_ALIGN` columns). Prints both runs' seconds."""
+    def attempt() -> None:
+        fn(torch.zeros(1, 4, device=default_device()), 4)  # a stub raises NotImplementedError
+        _in_model(lambda m, wrong: attention_set(m, softmax_attention(fn, block, wrong)),
+                  f"Triton softmax (tiles of {block})", model, prompts, output_lens, tok)
+
+    return check("softmax_in_model", attempt)
+
+
+class FunctionLinear(nn.Module):
+    """A bias-free linear layer (y = x W^T) of the model computed by ``fn(a, b, block_m,
+    block_n, block_k)`` (exercise 6's contract): a = x as fp32 [tokens, in_features], b = W^T
+    [in_features, out_features], a transposed view of a fp32 copy of the weight (strides
+    (1, in_features)), the result fp32 [tokens, out_features]. Each product is also computed in
+    float64; ``wrong`` collects those that differ (a description each), for the checker's
+    message."""
+
+    def __init__(self, linear: nn.Linear, fn: Callable[..., torch.Tensor],
+                 blocks: tuple[int, int, int], name: str, wrong: list[str]) -> None:
+        super().__init__()
+        self.weight, self.fn, self.blocks, self.name, self.wrong = (
+            linear.weight, fn, blocks, name, wrong)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        b = self.weight.detach().t().to(torch.float32, copy=True)
+        out = self.fn(a, b, *self.blocks)
+        m, (k, n) = a.shape[0], b.shape
+        assert isinstance(out, torch.Tensor) and out.shape == (m, n), (
+            f"matmul returned {getattr(out, 'shape', type(out).__name__)} for a [{m}, {k}] @ "
+            f"b [{k}, {n}]")
+        _note_first_wrong(self.wrong, out, a.double() @ b.double(),
+                          f"product, x [{m}, {k}] @ {self.name}^T [{k}, {n}] in tiles "
+                          "BLOCK_M={}, BLOCK_N={}, BLOCK_K={},".format(*self.blocks), 1e-4)
+        return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+@contextmanager
+def matmul_replaced(model: Transformer, fn: Callable[..., torch.Tensor],
+                    blocks: tuple[int, int, int], wrong: list[str] | None = None
+                    ) -> Iterator[int]:
+    """Inside the ``with`` block every attention layer's output projection (``attn.wo``) is a
+    :class:`FunctionLinear` of ``fn`` with tiles ``blocks`` = (block_m, block_n, block_k)
+    (wrong products are described in ``wrong``); the layers' own are put back on exit. Yields
+    the number of layers."""
+    saved = [layer.attn.wo for layer in model.layers]
+    wrong = [] if wrong is None else wrong
+    for layer in model.layers:
+        layer.attn.wo = FunctionLinear(layer.attn.wo, fn, blocks, "wo", wrong)
+    try:
+        yield len(saved)
+    finally:
+        for layer, wo in zip(model.layers, saved):
+            layer.attn.wo = wo
+
+
+def check_matmul_in_model(fn: Callable[..., torch.Tensor], model: Transformer | None = None,
+                          prompts: list[list[int]] | None = None,
+                          output_lens: list[int] | None = None, tok: Tokenizer | None = None,
+                          blocks: tuple[int, int, int] = (16, 128, 128)) -> Result:
+    """Exercise 6's ``matmul(a, b, block_m, block_n, block_k)`` -> a [M, K] @ b [K, N], fp32,
+    by the student's tiled Triton kernel (one program per ``block_m x block_n`` tile of the
+    result, walking K in ``block_k`` steps; a and b with any strides).
+
+    First one product whose sizes are multiples of its 16 x 16 x 16 tiles, b a transposed view
+    as the model's weights are; then the kernel is the output projection of every attention
+    layer (:func:`matmul_replaced`, tiles ``blocks``) of ``model`` (default: the tiny preset,
+    random weights, float64; a 16-bit model as a float32 copy), where no size is a multiple of
+    its tile: the tokens of a prompt or one decode step (M), and the model's width (N and K;
+    64 < 128 in the tiny preset, 576 = 4.5 x 128 in SmolLM2). Passes when the model generates
+    the package's greedy tokens for ``prompts`` (default: two short seeded random ones) with
+    the package's logits in one uncached pass; prints both runs' seconds."""
+    gen = torch.Generator().manual_seed(13)
+
+    def attempt() -> None:
+        a = torch.randn(32, 64, generator=gen).to(default_device())
+        b = torch.randn(48, 64, generator=gen).to(default_device()).t()
+        got = fn(a, b, 16, 16, 16)
+        want = a.double() @ b.double()
+        assert isinstance(got, torch.Tensor) and tuple(got.shape) == (32, 48), (
+            f"a [32, 64] @ b [64, 48]: got {getattr(got, 'shape', type(got).__name__)}, "
+            "expected a tensor of shape (32, 48)")
+        err = (got.double() - want).abs().max().item()
+        assert err < 1e-3, (f"a [32, 64] @ b [64, 48] (b a transposed view, strides "
+                            f"{b.stride()}) in 16 x 16 x 16 tiles: off by {err:.1e}")
+        _in_model(lambda m, wrong: matmul_replaced(m, fn, blocks, wrong),
+                  "Triton matmul (tiles {} x {} x {})".format(*blocks), model, prompts,
+                  output_lens, tok)
+
+    return check("matmul_in_model", attempt)

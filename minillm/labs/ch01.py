@@ -29,12 +29,11 @@ from ..model.transformer import Transformer
 from ..sampling import apply_top_p
 from .common import Result, check
 from .in_engine import (
-    assert_same_tokens,
+    assert_runs_in_model,
     attention_set,
     demo_model,
     demo_prompts,
     full_precision,
-    generate_greedy,
 )
 
 # Real text for the tokenizer: several merges in one word, contractions, digits, code, accents,
@@ -404,49 +403,6 @@ def _in_model(replace: Callable[[Transformer], AbstractContextManager[int]], wha
     assert_runs_in_model(model, prompts, output_lens, lambda: replace(model), what, tok)
 
 
-# Largest |logit difference| allowed, relative to the largest |logit|, by the model's dtype
-LOGIT_RTOL = {torch.float64: 1e-6, torch.float32: 1e-3}
-
-
-@torch.inference_mode()
-def _uncached_logits(model: Transformer, prompts: list[list[int]],
-                     continuations: list[list[int]]) -> list[torch.Tensor]:
-    """Logits [T, vocab] of one forward pass without a cache over each prompt + continuation."""
-    return [model(torch.tensor([p + c], device=model.device))[0]
-            for p, c in zip(prompts, continuations)]
-
-
-def assert_runs_in_model(model: Transformer, prompts: list[list[int]], output_lens: list[int],
-                         replaced: Callable[[], AbstractContextManager[int]], what: str,
-                         tok: Tokenizer | None = None) -> None:
-    """Raise AssertionError unless ``model`` with the student's part in place (inside the
-    ``with replaced()`` block) generates the same greedy tokens as without it, and gives the
-    same logits (within :data:`LOGIT_RTOL`) in one uncached pass over each prompt and the
-    package's continuation. Prints both runs' seconds, and with ``tok`` the first prompt's
-    continuation."""
-    ref = generate_greedy(model, prompts, output_lens)
-    want = _uncached_logits(model, prompts, ref["tokens"])
-    with replaced() as places:
-        mine = generate_greedy(model, prompts, output_lens)
-        got = _uncached_logits(model, prompts, ref["tokens"])
-    assert_same_tokens(mine, ref)
-    err = 0.0
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert isinstance(g, torch.Tensor) and g.shape == w.shape and not g.isnan().any(), (
-            f"prompt {i}: the model's logits with your {what} are not a tensor of shape "
-            f"{tuple(w.shape)} without NaN")
-        rel = ((g.double() - w.double()).abs().max() / w.double().abs().max()).item()
-        err = max(err, rel)
-        assert rel <= LOGIT_RTOL.get(model.dtype, 5e-2), (
-            f"prompt {i}: the same greedy tokens, but the logits of an uncached pass differ by "
-            f"{rel:.1e} of their largest value")
-    text = (f": {tok.decode(prompts[0])!r} -> {tok.decode(mine['tokens'][0])!r}"
-            if tok is not None else "")
-    print(f"the model with your {what} in {places} places generated the package's "
-          f"{sum(map(len, mine['tokens']))} greedy tokens in {mine['seconds']:.2f} s (unmodified: "
-          f"{ref['seconds']:.2f} s), logits off by at most {err:.1g} of the largest{text}")
-
-
-__all__ = ["BPE_TEXTS", "LOGIT_RTOL", "FunctionRMSNorm", "assert_runs_in_model",
-           "attention_replaced", "check_bpe_encode", "check_causal_attention", "check_mha_to_gqa",
-           "check_moe", "check_rmsnorm", "check_rope", "check_top_p", "rmsnorm_replaced"]
+__all__ = ["BPE_TEXTS", "FunctionRMSNorm", "attention_replaced", "check_bpe_encode",
+           "check_causal_attention", "check_mha_to_gqa", "check_moe", "check_rmsnorm",
+           "check_rope", "check_top_p", "rmsnorm_replaced"]

@@ -11,6 +11,7 @@ from minillm.labs.solutions.a2 import (
     add_2d,
     blocks_per_sm,
     compute_bound_size,
+    matmul,
     matmul_intensity,
     softmax_rows,
     tiled_matmul_bytes,
@@ -79,6 +80,44 @@ def softmax_rows_no_rescale(x, block):
     return torch.exp(x - m) / total
 
 
+def softmax_rows_contiguous_rows(x, block):
+    # row r read from r * n_cols, as if the rows were packed: right on a contiguous x, wrong on
+    # the model's scores, whose rows are padded (and the padding is read as scores)
+    m, n = x.shape
+    rows = torch.as_strided(x, (m, n), (n, 1))
+    return torch.softmax(rows, -1)
+
+
+def softmax_rows_pads_with_zero(x, block):
+    # masked lanes of a row's last tile load 0 instead of -inf: each counts exp(0 - max)
+    pad = -x.shape[1] % block
+    padded = torch.cat([x, x.new_zeros(x.shape[0], pad)], 1)
+    return torch.softmax(padded, -1)[:, :x.shape[1]]
+
+
+def _reads_past(t, shape):
+    """t's memory read with t's strides over the larger ``shape``: the elements an unmasked
+    load reaches past t's last column or row (0 past the end of its storage)."""
+    flat = t.new_empty(0).set_(t.untyped_storage())
+    reach = t.storage_offset() + sum((s - 1) * st for s, st in zip(shape, t.stride())) + 1
+    flat = torch.cat([flat, flat.new_zeros(max(0, reach - flat.numel()))])
+    return flat.as_strided(shape, t.stride(), t.storage_offset())
+
+
+def matmul_no_k_mask(a, b, block_m, block_n, block_k):
+    # masks the rows of A and the columns of B but not K: a last K tile that runs past K
+    # multiplies whatever lies beyond each row of A with whatever lies beyond each column of B
+    (m, k), n = a.shape, b.shape[1]
+    k_tiles = -(-k // block_k) * block_k
+    return _reads_past(a, (m, k_tiles)).double() @ _reads_past(b, (k_tiles, n)).double()
+
+
+def matmul_contiguous_b(a, b, block_m, block_n, block_k):
+    # B addressed as B + k * N + n (strides ignored): right only for a row-major B
+    k, n = b.shape
+    return a.double() @ torch.as_strided(b, (k, n), (n, 1)).double()
+
+
 def tiled_bytes_read_once(m, n, k, block_m, block_n, bytes_per_elem):
     return (m * k + k * n + m * n) * bytes_per_elem  # the ideal, not what a tiled kernel moves
 
@@ -98,12 +137,18 @@ CHECKS = [
     (a2.check_add_2d, add_2d, add_2d_unit_column_stride),
     (a2.check_softmax_rows, softmax_rows, softmax_rows_no_max),
     (a2.check_softmax_rows, softmax_rows, softmax_rows_no_rescale),
+    (a2.check_softmax_in_model, softmax_rows, softmax_rows_contiguous_rows),
+    (a2.check_softmax_in_model, softmax_rows, softmax_rows_pads_with_zero),
     (a2.check_tiled_matmul_bytes, tiled_matmul_bytes, tiled_bytes_read_once),
     (a2.check_tiled_matmul_bytes, tiled_matmul_bytes, tiled_bytes_swapped),
+    (a2.check_matmul_in_model, matmul, matmul_no_k_mask),
+    (a2.check_matmul_in_model, matmul, matmul_contiguous_b),
 ]
 IDS = ["blocks_granularity", "blocks_reserved_smem", "intensity_no_output",
        "intensity_one_flop", "size_ridge_alone", "add_2d_contiguous", "add_2d_unit_stride",
-       "softmax_no_max", "softmax_no_rescale", "tiled_read_once", "tiled_swapped"]
+       "softmax_no_max", "softmax_no_rescale", "model_softmax_contiguous_rows",
+       "model_softmax_pads_with_zero", "tiled_read_once", "tiled_swapped",
+       "model_matmul_no_k_mask", "model_matmul_contiguous_b"]
 
 
 test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = \
