@@ -71,7 +71,7 @@ ALLOWED: dict[str, set[str]] = {
     "bench": {"cache", "checkpoint", "config", "device", "disagg", "driver", "engine",
               "evaluate", "generate", "model", "quant", "runinfo", "runtime",
               "serving_metrics", "spec_decode", "viz", "workloads"},
-    "labs": {"attention", "cache", "checkpoint", "config", "course", "device", "engine",
+    "labs": {"attention", "cache", "checkpoint", "config", "course", "device", "engine", "serve",
              "evaluate", "generate", "model", "parallel", "quant", "runtime", "sampling",
              "serving_metrics", "spec_decode", "train"},
     "labs.solutions": {"cache", "checkpoint", "course", "device", "labs"},

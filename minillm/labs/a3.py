@@ -6,8 +6,15 @@
   :func:`minillm.runtime.pad_to_captured` (including the sizes it must refuse).
 - :func:`check_padding_waste`: the fraction of computed rows that are padding when batches of
   the given sizes run in the captured graphs, compared with :func:`minillm.runtime.padding_waste`.
+- :func:`check_static_decode_step` (a build): one decode step over preallocated K/V buffers,
+  run as a greedy loop on the model (on CUDA also captured in a CUDA graph and replayed); its
+  tokens compared with :func:`minillm.generate.generate`'s, its buffers checked to keep their
+  addresses and shapes and to hold each position's keys and values.
 - :func:`check_parse_sse`: an OpenAI chat-completion stream (raw ``data:`` lines) folded into
   the final text and usage; cases include lines captured from ``python -m minillm serve``.
+- :func:`check_parse_sse_on_server` (a build): the same parser reads the streams of our server
+  (``minillm serve``'s app, started on the model), compared with what the ``openai`` client
+  gets for the same requests; then the corner cases of :func:`check_parse_sse`.
 - :func:`check_slo_attainment`: the share of one run's requests meeting both SLOs and those
   requests per second, compared with :func:`minillm.serving_metrics.slo_attainment`.
 - :func:`check_poisson_arrivals`: seeded Poisson arrival times, checked by their statistics
@@ -19,11 +26,22 @@ import json
 import math
 import random
 import statistics
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
+import torch
+
+from ..cache import KVCache
+from ..checkpoint.loader import smollm2_tokenizer
+from ..checkpoint.tokenizer import Tokenizer
+from ..engine import EngineConfig, LLMEngine
+from ..model.transformer import Transformer
 from ..runtime import pad_to_captured, padding_waste
 from ..serving_metrics import SLO, slo_attainment
 from .common import Result, check
+from .in_engine import assert_same_tokens, demo_model, generate_greedy
 
 # --- matmul launches per decode step --------------------------------------------------------
 
@@ -105,6 +123,195 @@ def check_padding_waste(fn: Callable) -> Result:
                 f"batch_sizes={batches}, sizes={sizes}: expected {want:.4f}, got {got}")
 
     return check("padding_waste", attempt)
+
+
+# --- a decode step over a static KV cache ---------------------------------------------------
+
+#: ``fn(model, tokens, position, k_cache, v_cache)`` -> logits [B, vocab]: tokens [B] (long),
+#: position a 0-d long tensor, k_cache / v_cache one [B, H_kv, max_len, hd] buffer per layer
+StaticStep = Callable[[Transformer, torch.Tensor, torch.Tensor, list, list], torch.Tensor]
+
+
+def static_inputs(model: Transformer, rows: int, max_len: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The inputs of a decode step, allocated once on the model's device: tokens [rows] and a
+    0-d position (long, zeros), and per layer a K and a V buffer [rows, H_kv, max_len, hd] of
+    zeros in the model's dtype."""
+    cfg, dev = model.cfg, model.device
+    shape = (rows, cfg.n_kv_heads, max_len, cfg.head_dim)
+    k, v = ([torch.zeros(shape, device=dev, dtype=model.dtype) for _ in range(cfg.n_layers)]
+            for _ in range(2))
+    return (torch.zeros(rows, dtype=torch.long, device=dev),
+            torch.zeros((), dtype=torch.long, device=dev), k, v)
+
+
+def greedy_static(step: Callable[[], torch.Tensor], tokens: torch.Tensor,
+                  position: torch.Tensor, prompts: Sequence[Sequence[int]], new_tokens: int,
+                  after_step: Callable[[int, torch.Tensor], None] | None = None
+                  ) -> list[list[int]]:
+    """Greedy decoding one token per row per step, all of it through ``step()`` (one decode
+    step on the static inputs ``tokens`` [rows] and ``position`` [], written here in place
+    before each call; it returns the logits [rows, vocab]): the prompts (all of one length)
+    are fed a token at a time, then each row's argmax. ``after_step(t, logits)`` is called
+    after step t. Returns the ``new_tokens`` new tokens of each row."""
+    n = len(prompts[0])
+    out: list[list[int]] = [[] for _ in prompts]
+    col = [p[0] for p in prompts]
+    for t in range(n + new_tokens - 1):
+        tokens.copy_(torch.tensor(col))
+        position.fill_(t)
+        logits = step()
+        if after_step is not None:
+            after_step(t, logits)
+        if t + 1 < n:
+            col = [p[t + 1] for p in prompts]
+        else:
+            col = logits.argmax(-1).tolist()
+            for row, token in zip(out, col):
+                row.append(token)
+    return out
+
+
+def _buffers_kept(k_cache: list, v_cache: list, rows: int, vocab: int
+                  ) -> Callable[[int, torch.Tensor], None]:
+    """An ``after_step`` for :func:`greedy_static`: AssertionError once a buffer is no longer
+    the tensor it was (another object, another address, another shape) or the logits are not
+    [rows, vocab]."""
+    kept = {name: [(b, b.data_ptr(), tuple(b.shape)) for b in bufs]
+            for name, bufs in (("K", k_cache), ("V", v_cache))}
+
+    def after_step(t: int, logits: torch.Tensor) -> None:
+        for name, bufs in (("K", k_cache), ("V", v_cache)):
+            assert len(bufs) == len(kept[name]), (
+                f"step {t}: the {name} list has {len(bufs)} buffers, it had {len(kept[name])}")
+            for layer, (buf, (orig, ptr, shape)) in enumerate(zip(bufs, kept[name])):
+                assert buf is orig and buf.data_ptr() == ptr and tuple(buf.shape) == shape, (
+                    f"step {t} (position {t}): layer {layer}'s {name} buffer was replaced (now "
+                    f"shape {tuple(buf.shape)} at "
+                    f"{'another' if buf.data_ptr() != ptr else 'the same'} address; it was "
+                    f"{shape}): a captured graph keeps reading and writing "
+                    f"the buffers it was recorded with, so the step must write into them in "
+                    f"place")
+        assert isinstance(logits, torch.Tensor) and tuple(logits.shape) == (rows, vocab), (
+            f"step {t}: the logits must be [{rows}, {vocab}], got "
+            f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits)}")
+
+    return after_step
+
+
+def _assert_slots(model: Transformer, fed: list[list[int]], k_cache: list, v_cache: list
+                  ) -> None:
+    """Each buffer's slots 0..L-1 hold the keys/values of the L tokens fed (as a prefill of
+    them into a :class:`~minillm.cache.KVCache` computes them) and every later slot is zero."""
+    ids = torch.tensor(fed, device=model.device)
+    length = ids.shape[1]
+    ref = KVCache(model.cfg, len(fed), length, model.device, model.dtype)
+    model(ids, cache=ref)
+    tol = {torch.float64: 1e-8, torch.float32: 1e-3}.get(model.dtype, 3e-2)
+    for layer in range(model.cfg.n_layers):
+        for name, buf, want in (("K", k_cache[layer], ref.k[layer]),
+                                ("V", v_cache[layer], ref.v[layer])):
+            err = (buf[:, :, :length] - want).abs().amax(dim=(0, 1, 3))       # per slot
+            bad = (err > tol * (1 + want.abs().amax())).nonzero()
+            assert not len(bad), (
+                f"layer {layer}: slot {int(bad[0])} of the {name} buffer does not hold the "
+                f"{name} of the token at position {int(bad[0])}")
+            late = buf[:, :, length:].abs().amax(dim=(0, 1, 3)).nonzero()
+            assert not len(late), (
+                f"layer {layer}: the {name} buffer has values in slot {length + int(late[0])}, "
+                f"past position {length - 1}, the last one fed")
+
+
+def _replay_in_graph(fn: StaticStep, model: Transformer, prompts: list[list[int]],
+                     new_tokens: int, max_len: int) -> tuple[list[list[int]], float]:
+    """``fn`` captured as one CUDA graph on fresh static inputs (after a warm-up on a side
+    stream, as :meth:`minillm.runtime.StaticDecoder._capture` does), then replayed for every
+    step of :func:`greedy_static`: (new tokens per row, seconds of the replayed loop)."""
+    tokens, position, k, v = static_inputs(model, len(prompts), max_len)
+    tokens.copy_(torch.tensor([p[0] for p in prompts]))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(model, tokens, position, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            logits = fn(model, tokens, position, k, v)
+    except Exception as e:  # noqa: BLE001 - why it cannot be captured is the verdict
+        raise AssertionError(f"your step could not be captured in a CUDA graph ({type(e).__name__}"
+                             f": {e}); a step that reads the position on the host or "
+                             f"allocates a shape that depends on it cannot be") from None
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return logits
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = greedy_static(replay, tokens, position, prompts, new_tokens)
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def _equal_prompts(rows: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return torch.randint(5, 2000, (rows, length), generator=g).tolist()
+
+
+def check_static_decode_step(fn: StaticStep, model: Transformer | None = None,
+                             prompts: list[list[int]] | None = None, new_tokens: int = 10,
+                             max_len: int | None = None) -> Result:
+    """``fn(model, tokens, position, k_cache, v_cache)`` -> logits [B, vocab]: one decode step
+    of ``model`` for B rows, one token each (``tokens`` [B], long) at the same ``position`` (a
+    0-d long tensor), over the caller's buffers ``k_cache[i]``, ``v_cache[i]`` [B, H_kv,
+    max_len, hd] of layer i, whose slot ``position`` it fills in place.
+
+    Runs a greedy loop of it (:func:`greedy_static`: the ``prompts``, all of one length,
+    default three seeded ones of 8 tokens, then ``new_tokens`` argmax tokens) on ``model``
+    (default: the tiny preset, random weights, float64) with ``max_len`` slots (default 8 more
+    than needed, so that the unwritten slots must be masked). Passes when every buffer is the
+    same tensor at the same address and shape after every step, the tokens equal
+    :func:`minillm.generate.generate`'s (prefill, then a growing KV cache) and the buffers
+    hold the keys and values of the tokens fed, zeros after them. On CUDA the step is then
+    captured in a ``torch.cuda.CUDAGraph`` and replayed for every step (the same tokens);
+    on the CPU that part is skipped with a note. Prints the loops' seconds."""
+    model = model or demo_model()
+    prompts = [list(p) for p in prompts] if prompts is not None else _equal_prompts(3, 8)
+    if not prompts or len({len(p) for p in prompts}) != 1:
+        raise ValueError(f"prompts must be one or more of the same length (one position per "
+                         f"step), got lengths {[len(p) for p in prompts]}")
+    needed = len(prompts[0]) + new_tokens - 1
+    max_len = max_len or needed + 8
+    if not needed <= max_len <= model.cfg.max_seq_len:
+        raise ValueError(f"max_len must be in [{needed}, {model.cfg.max_seq_len}], got {max_len}")
+    rows, vocab = len(prompts), model.cfg.vocab_size
+
+    def attempt() -> None:
+        with torch.inference_mode():
+            tokens, position, k, v = static_inputs(model, rows, max_len)
+            t0 = time.perf_counter()
+            mine = greedy_static(lambda: fn(model, tokens, position, k, v), tokens, position,
+                                 prompts, new_tokens, _buffers_kept(k, v, rows, vocab))
+            seconds = time.perf_counter() - t0
+        ref = generate_greedy(model, prompts, [new_tokens] * rows)
+        assert_same_tokens({"tokens": mine}, ref)
+        with torch.inference_mode():
+            _assert_slots(model, [p + o[:-1] for p, o in zip(prompts, mine)], k, v)
+        print(f"your static step: {rows} rows x {needed} steps over {max_len} slots in "
+              f"{seconds:.2f} s, the same tokens as minillm.generate ({ref['seconds']:.2f} s, "
+              f"prefill + growing cache, one row at a time)")
+        if model.device.type != "cuda":
+            print("CUDA-graph capture and replay of your step: skipped (needs a CUDA device; "
+                  f"the model is on {model.device})")
+            return
+        with torch.inference_mode():
+            replayed, graph_s = _replay_in_graph(fn, model, prompts, new_tokens, max_len)
+        assert_same_tokens({"tokens": replayed}, ref)
+        print(f"your step captured in a CUDA graph and replayed: the same tokens, {graph_s:.2f} s "
+              f"for the loop")
+
+    return check("static_decode_step", attempt)
 
 
 # --- a streamed chat completion -------------------------------------------------------------
@@ -212,15 +419,129 @@ def check_parse_sse(fn: Callable) -> Result:
     choice 0, in order) and the ``usage`` dict of the stream (None if it has none), from the
     raw lines of a ``/v1/chat/completions`` stream. Lines not starting with ``data:`` are
     ignored; ``data: [DONE]`` ends the stream."""
-    cases = _sse_cases()
+    return check("parse_sse", lambda: _assert_sse_cases(fn))
+
+
+def _assert_sse_cases(fn: Callable) -> None:
+    for lines in _sse_cases():
+        want, got = _parse_sse(lines), fn(list(lines))
+        assert tuple(got) == want, (f"lines={[ln[:90] for ln in lines]}: expected "
+                                    f"{want}, got {tuple(got)}")
+
+
+# --- the parser on the live server ----------------------------------------------------------
+
+
+@contextmanager
+def serving(model: Transformer, tokenizer: Tokenizer) -> Iterator[str]:
+    """Serve ``model`` with ``minillm serve``'s app (:func:`minillm.serve.create_app` over an
+    :class:`~minillm.engine.LLMEngine`, served as ``model.cfg.name``) under uvicorn in a thread
+    of this process, on a port of 127.0.0.1 the system picks (so never one already taken);
+    yields the base URL, and stops the server (and its engine loop) on leaving. The model's
+    linears are left as they are (``pack_linears=False``)."""
+    import uvicorn
+
+    from ..serve import create_app
+
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64, pack_linears=False))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, model.cfg.name), host="127.0.0.1",
+                                           port=0, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, name="minillm-labs-serve", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        if thread.is_alive():
+            raise RuntimeError("the server did not stop within 30 s")
+
+
+#: The two chat requests of :func:`check_parse_sse_on_server`: one greedy choice with usage,
+#: and two choices sampled with a seed (so the same request gives the same texts again).
+SERVER_REQUESTS = {
+    "include_usage": {"messages": [{"role": "user", "content": "Say hi."}],
+                      "temperature": 0.0, "stream_options": {"include_usage": True}},
+    "n=2": {"messages": [{"role": "user", "content": "Invent a name for a cat."}], "n": 2,
+            "temperature": 1.0, "seed": 7},
+}
+
+
+def _raw_stream(base: str, body: dict) -> list[str]:
+    """The raw lines of one streamed ``/v1/chat/completions`` (blank separators kept)."""
+    import httpx
+
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=120) as r:
+        lines = list(r.iter_lines())
+        assert r.status_code == 200, f"the server answered {r.status_code}: {lines[:3]}"
+    return lines
+
+
+def _brief(line: str) -> str:
+    """A stream line without its envelope (id, object, created, model): its choices and
+    usage."""
+    if not line.startswith("data: {"):
+        return line
+    event = json.loads(line[len("data:"):])
+    return "data: " + json.dumps({k: event[k] for k in ("choices", "usage") if k in event})
+
+
+def _openai_answer(client, body: dict) -> tuple[str, dict | None]:
+    """What the ``openai`` client gets for ``body``: choice 0's text, and the usage the
+    stream carries (None without ``include_usage``); streamed when usage is asked for, else
+    one whole response."""
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    if "stream_options" not in body:
+        done = client.chat.completions.create(**body)
+        return next(c.message.content for c in done.choices if c.index == 0), None
+    text, usage = "", None
+    for chunk in client.chat.completions.create(**body, stream=True):
+        text += "".join(c.delta.content or "" for c in chunk.choices if c.index == 0)
+        if chunk.usage is not None:
+            usage = {k: getattr(chunk.usage, k) for k in counts}
+    return text, usage
+
+
+def check_parse_sse_on_server(fn: Callable, model: Transformer | None = None,
+                              tokenizer: Tokenizer | None = None, max_tokens: int = 8) -> Result:
+    """The parser of :func:`check_parse_sse` reads our server's streams: the server
+    (:func:`serving`) runs ``model`` (default: the tiny preset, random weights, float64) with
+    ``tokenizer`` (default: SmolLM2's), and each request of :data:`SERVER_REQUESTS` (at most
+    ``max_tokens`` tokens) is streamed raw to ``fn`` and sent again through the ``openai``
+    client. Passes when ``fn`` gives the client's text of choice 0 and usage for both, and then
+    the corner cases of :func:`check_parse_sse`; the server is stopped either way."""
+    model = model or demo_model()
+    tokenizer = tokenizer or smollm2_tokenizer()
 
     def attempt() -> None:
-        for lines in cases:
-            want, got = _parse_sse(lines), fn(list(lines))
-            assert tuple(got) == want, (f"lines={[ln[:90] for ln in lines]}: expected "
-                                        f"{want}, got {tuple(got)}")
+        import openai
 
-    return check("parse_sse", attempt)
+        fn(["data: [DONE]"])                   # a stub raises NotImplementedError here
+        with serving(model, tokenizer) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
+                                   timeout=120)
+            for name, request in SERVER_REQUESTS.items():
+                body = {**request, "model": model.cfg.name, "max_tokens": max_tokens}
+                lines = _raw_stream(base, body)
+                want, got = _openai_answer(client, body), fn(list(lines))
+                events = [_brief(ln) for ln in lines if ln]
+                assert tuple(got) == want, (
+                    f"the {name} stream of {base}/v1/chat/completions ({len(events)} events, "
+                    f"the last three {events[-3:]}): the openai client gets {want}, your "
+                    f"parser {tuple(got)}")
+                print(f"live {name} stream, {sum(map(bool, lines))} events: choice 0 "
+                      f"{want[0]!r}, usage {want[1]}; your parser agrees")
+        _assert_sse_cases(fn)
+
+    return check("parse_sse_on_server", attempt)
 
 
 # --- SLO attainment -------------------------------------------------------------
@@ -289,6 +610,7 @@ def check_poisson_arrivals(fn: Callable) -> Result:
     return check("poisson_arrivals", attempt)
 
 
-__all__ = ["CAPTURED_CHAT_STREAM", "check_matmul_launches", "check_pad_to_captured",
-           "check_padding_waste", "check_parse_sse", "check_poisson_arrivals",
-           "check_slo_attainment"]
+__all__ = ["CAPTURED_CHAT_STREAM", "SERVER_REQUESTS", "check_matmul_launches",
+           "check_pad_to_captured", "check_padding_waste", "check_parse_sse",
+           "check_parse_sse_on_server", "check_poisson_arrivals", "check_slo_attainment",
+           "check_static_decode_step", "greedy_static", "serving", "static_inputs"]

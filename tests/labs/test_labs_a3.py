@@ -3,17 +3,26 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
 from lab_checks import checker_tests
 
+from minillm.cache import Cache
 from minillm.labs import a3
+from minillm.labs.in_engine import demo_model
 from minillm.labs.solutions.a3 import (
+    StaticCache,
     matmul_launches,
     pad_to_captured,
     padding_waste,
     parse_sse,
     poisson_arrivals,
     slo_attainment,
+    static_decode_step,
 )
 from minillm.runtime import pad_to_captured as package_pad
 from minillm.runtime import padding_waste as package_waste
@@ -43,6 +52,52 @@ def pad_to_largest_when_too_big(n, sizes):
 def waste_over_real_rows(batch_sizes, sizes):
     """Padding divided by the real rows, not by the rows computed."""
     return sum(pad_to_captured(b, sizes) - b for b in batch_sizes) / sum(batch_sizes)
+
+
+class ConcatCache(Cache):
+    """Attends over the written slots and the new token joined with torch.cat, and stores the
+    joined keys back as a new tensor of the same shape: the right tokens, but not in place."""
+
+    def __init__(self, k_cache, v_cache, position):
+        self.k, self.v, self.p = k_cache, v_cache, int(position)
+
+    def attend(self, layer, q, k, v, attn_fn=None):
+        group = q.shape[1] // k.shape[1]
+        out = []
+        for bufs, new in ((self.k, k), (self.v, v)):
+            seen = torch.cat([bufs[layer][:, :, :self.p], new], dim=2)
+            bufs[layer] = torch.cat([seen, bufs[layer][:, :, self.p + 1:]], dim=2)
+            out.append(seen.repeat_interleave(group, dim=1))
+        return F.scaled_dot_product_attention(q, *out)
+
+
+class OneAheadCache(StaticCache):
+    """Takes ``position`` for the count of tokens before the new one plus one: writes and
+    attends one slot further on (slot 0 is never written, but attended)."""
+
+    def __init__(self, k_cache, v_cache, position):
+        super().__init__(k_cache, v_cache, position + 1)
+
+
+class UnmaskedCache(StaticCache):
+    """Writes in place but attends over every slot, the unwritten ones (zeros) included."""
+
+    def attend(self, layer, q, k, v, attn_fn=None):
+        super().attend(layer, q, k, v)
+        group = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(
+            q, self.k[layer].repeat_interleave(group, dim=1),
+            self.v[layer].repeat_interleave(group, dim=1))
+
+
+def step_with(cache_cls):
+    def step(model, tokens, position, k_cache, v_cache):
+        logits = model(tokens[:, None], cache=cache_cls(k_cache, v_cache, position),
+                       positions=position.reshape(1), last_only=True)
+        return logits[:, -1]
+
+    step.__name__ = f"step_with_{cache_cls.__name__}"
+    return step
 
 
 def parse_sse_text_after_done(lines):
@@ -125,17 +180,25 @@ CHECKS = [(a3.check_matmul_launches, matmul_launches, launches_without_lm_head),
           (a3.check_pad_to_captured, pad_to_captured, first_fit_unsorted),
           (a3.check_pad_to_captured, pad_to_captured, pad_to_largest_when_too_big),
           (a3.check_padding_waste, padding_waste, waste_over_real_rows),
+          (a3.check_static_decode_step, static_decode_step, step_with(ConcatCache)),
+          (a3.check_static_decode_step, static_decode_step, step_with(OneAheadCache)),
+          (a3.check_static_decode_step, static_decode_step, step_with(UnmaskedCache)),
           (a3.check_parse_sse, parse_sse, parse_sse_text_after_done),
           (a3.check_parse_sse, parse_sse, parse_sse_no_usage_chunk),
           (a3.check_parse_sse, parse_sse, parse_sse_every_choice),
           (a3.check_parse_sse, parse_sse, parse_sse_later_null_usage_wipes),
+          (a3.check_parse_sse_on_server, parse_sse, parse_sse_every_choice),
+          (a3.check_parse_sse_on_server, parse_sse, parse_sse_no_usage_chunk),
+          (a3.check_parse_sse_on_server, parse_sse, parse_sse_later_null_usage_wipes),
           (a3.check_slo_attainment, slo_attainment, attainment_either_slo),
           (a3.check_slo_attainment, slo_attainment, attainment_strict),
           (a3.check_poisson_arrivals, poisson_arrivals, uniform_gaps),
           (a3.check_poisson_arrivals, poisson_arrivals, rate_as_mean_gap)]
 test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = checker_tests(
     CHECKS, ids=["launches-no-lm-head", "pad-first-fit", "pad-no-refusal", "waste-over-real",
+                 "static-concat", "static-one-ahead", "static-unmasked",
                  "sse-after-done", "sse-usage-chunk", "sse-every-choice", "sse-null-usage-wipes",
+                 "server-every-choice", "server-usage-chunk", "server-null-usage-wipes",
                  "attainment-or", "attainment-strict",
                  "poisson-uniform", "poisson-rate-as-gap"])
 
@@ -144,6 +207,51 @@ def test_package_versions_pass_their_checkers():
     assert a3.check_pad_to_captured(package_pad).passed is True
     assert a3.check_poisson_arrivals(package_arrivals).passed is True
     assert a3.check_padding_waste(package_waste).passed is True
+
+
+# --- what catches each mistake ------------------------------------------------------------------
+
+
+def test_a_step_that_replaces_its_buffers_gives_the_right_tokens():
+    """Only the buffers' addresses tell the concatenating step from an in-place one."""
+    model = demo_model()
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+
+    @torch.inference_mode()
+    def run(step):
+        tokens, position, k, v = a3.static_inputs(model, 2, 12)
+        return a3.greedy_static(lambda: step(model, tokens, position, k, v), tokens, position,
+                                prompts, 6)
+
+    assert run(step_with(ConcatCache)) == run(static_decode_step)
+    result = a3.check_static_decode_step(step_with(ConcatCache), model, prompts, 6, 12)
+    assert result.passed is False and "in place" in result.message
+
+
+@pytest.mark.parametrize("cache_cls", [OneAheadCache, UnmaskedCache])
+def test_a_misplaced_or_unmasked_step_changes_the_tokens(cache_cls):
+    result = a3.check_static_decode_step(step_with(cache_cls))
+    assert result.passed is False and "token" in result.message, result.message
+
+
+def test_static_step_needs_prompts_of_one_length():
+    with pytest.raises(ValueError, match="same length"):
+        a3.check_static_decode_step(static_decode_step, prompts=[[1, 2], [3]])
+
+
+@pytest.mark.parametrize("wrong", [parse_sse_every_choice, parse_sse_no_usage_chunk])
+def test_the_live_server_catches_the_parser(wrong):
+    """These mistakes show on the server's own streams (before the corner cases run)."""
+    result = a3.check_parse_sse_on_server(wrong)
+    assert result.passed is False and "stream of http://127.0.0.1" in result.message
+
+
+def test_the_server_is_stopped_after_the_check():
+    with a3.serving(demo_model(), a3.smollm2_tokenizer()) as base:
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    assert not any(t.name == "minillm-labs-serve" for t in threading.enumerate())
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{base}/health", timeout=2)
 
 
 def test_captured_stream_is_a_real_server_stream():

@@ -4,6 +4,10 @@ from __future__ import annotations
 import json
 import random
 
+import torch
+import torch.nn.functional as F
+
+from minillm.cache import Cache
 from minillm.labs import a3
 
 
@@ -25,6 +29,31 @@ def pad_to_captured(n, sizes):
 def padding_waste(batch_sizes, sizes):
     run = sum(pad_to_captured(b, sizes) for b in batch_sizes)
     return (run - sum(batch_sizes)) / run
+
+
+class StaticCache(Cache):
+    """The model's cache seam over the caller's buffers: each layer's new K/V go into slot
+    ``position`` in place, and attention reads every slot with the later ones masked."""
+
+    def __init__(self, k_cache, v_cache, position):
+        self.k, self.v, self.position = k_cache, v_cache, position
+
+    def attend(self, layer, q, k, v, attn_fn=None):
+        at = self.position.reshape(1)                  # a tensor: nothing read on the host
+        self.k[layer].index_copy_(2, at, k)
+        self.v[layer].index_copy_(2, at, v)
+        slots = torch.arange(self.k[layer].shape[2], device=q.device)
+        visible = (slots <= self.position)[None, None, None]   # [1, 1, 1, max_len], every step
+        group = q.shape[1] // k.shape[1]               # query head h reads KV head h // group
+        keys = self.k[layer].repeat_interleave(group, dim=1)
+        values = self.v[layer].repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+
+
+def static_decode_step(model, tokens, position, k_cache, v_cache):
+    cache = StaticCache(k_cache, v_cache, position)
+    logits = model(tokens[:, None], cache=cache, positions=position.reshape(1), last_only=True)
+    return logits[:, -1]
 
 
 def parse_sse(lines):
@@ -61,7 +90,9 @@ KEY = [
     (a3.check_matmul_launches, matmul_launches),
     (a3.check_pad_to_captured, pad_to_captured),
     (a3.check_padding_waste, padding_waste),
+    (a3.check_static_decode_step, static_decode_step),
     (a3.check_parse_sse, parse_sse),
+    (a3.check_parse_sse_on_server, parse_sse),
     (a3.check_slo_attainment, slo_attainment),
     (a3.check_poisson_arrivals, poisson_arrivals),
 ]
