@@ -12,8 +12,10 @@ class LoRA(nn.Module):
     def __init__(self, base: nn.Linear, rank: int, alpha: float) -> None:
         super().__init__()
         self.base = base.requires_grad_(False)
-        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) / base.in_features ** 0.5)
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))
+        like = dict(dtype=base.weight.dtype, device=base.weight.device)
+        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features, **like)
+                                   / base.in_features ** 0.5)
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, **like))
         self.scale = alpha / rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -21,11 +23,6 @@ class LoRA(nn.Module):
 
     def merged_weight(self) -> torch.Tensor:
         return self.base.weight + self.scale * self.lora_b @ self.lora_a
-
-
-def int8_roundtrip(w):
-    scale = (w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12)
-    return torch.round(w / scale).clamp(-127, 127) * scale
 
 
 def int4_fit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,8 +95,9 @@ def gptq(w, hessian, group_size):
 
 KEY = [
     (a1.check_lora_layer, LoRA),
-    (a1.check_int8_roundtrip, int8_roundtrip),
+    (a1.check_lora_finetune, LoRA),
     (a1.check_int4_groups, Int4Groups),
+    (a1.check_int4_serving, Int4Groups),
     (a1.check_bradley_terry, bradley_terry),
     (a1.check_dpo_loss, dpo),
     (a1.check_awq_search, awq_search),
