@@ -119,6 +119,26 @@ def _pair_logprobs(model, tok, rows: Sequence[dict], max_len: int = 96
             sequence_logprobs(model, tok, [(r["prompt"], r["rejected"]) for r in rows], max_len))
 
 
+class _ReferenceLogprobs:
+    """The frozen reference's (chosen, rejected) log-probabilities of preference rows, each row
+    computed once (the reference never changes while DPO trains the adapters)."""
+
+    def __init__(self, model, tok, max_len: int) -> None:
+        self.model, self.tok, self.max_len = model, tok, max_len
+        self.known: dict[tuple[str, str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, rows: Sequence[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = [(r["prompt"], r["chosen"], r["rejected"]) for r in rows]
+        new = {k: r for k, r in zip(keys, rows) if k not in self.known}
+        if new:
+            with torch.no_grad(), lora_disabled(self.model):
+                chosen, rejected = _pair_logprobs(self.model, self.tok, list(new.values()),
+                                                  self.max_len)
+            self.known |= {k: (c, r) for k, c, r in zip(new, chosen, rejected)}
+        return (torch.stack([self.known[k][0] for k in keys]),
+                torch.stack([self.known[k][1] for k in keys]))
+
+
 def _held_out_score(model, tok, rows: Sequence[dict], ref: tuple[torch.Tensor, torch.Tensor],
                     beta: float, max_len: int) -> tuple[float, float]:
     """(share of the rows with DPO margin > 0, mean log pi(chosen) - log ref(chosen)), given
@@ -150,14 +170,13 @@ def train_dpo(model, tok, rows: Sequence[dict], steps: int = 20, batch_size: int
     opt = optimizer(model, lr)
     params = lora_parameters(model)
     hist = {"loss": [], "accuracy": [], "margin": []}
+    reference = _ReferenceLogprobs(model, tok, max_len)
     if held_out:
         hist |= {"held_accuracy": [], "held_chosen_shift": []}
-        with torch.no_grad(), lora_disabled(model):
-            ref_held = _pair_logprobs(model, tok, held_out, max_len)
+        ref_held = reference(held_out)
     best = None
     for step, rows_b in enumerate(batches(rows, batch_size, steps, seed)):
-        with torch.no_grad(), lora_disabled(model):
-            ref_c, ref_r = _pair_logprobs(model, tok, rows_b, max_len)
+        ref_c, ref_r = reference(rows_b)
         model.train()
         loss, margin = dpo_loss(*_pair_logprobs(model, tok, rows_b, max_len), ref_c, ref_r,
                                 beta)

@@ -22,6 +22,8 @@ from minillm.train.lora import (
 )
 from minillm.train.preference import (
     RewardModel,
+    _pair_logprobs,
+    _ReferenceLogprobs,
     dpo_loss,
     dpo_margins,
     reward_accuracy,
@@ -164,6 +166,25 @@ def test_dpo_raises_the_margin(model_tok):
     assert hist["margin"][-1] > 0.5 and hist["accuracy"][-1] == 1.0
     with pytest.raises(ValueError, match="beta must be > 0"):
         train_dpo(m, tok, rows, steps=1, beta=0.0)
+
+
+def test_dpo_reference_is_the_model_without_adapters(model_tok):
+    """The reference's log-probabilities are the base model's, once per row, whatever the
+    adapters hold when a row is first seen (its cache is keyed by the row's texts)."""
+    m, tok = fresh(model_tok, rank=8)
+    randomise_b(m)                                     # the adapters now change the outputs
+    rows = load_jsonl("preferences")[:3]
+    reference = _ReferenceLogprobs(m, tok, 96)
+    first = reference(rows[:2])
+    again = reference(rows[::-1])
+    with torch.no_grad():
+        want = _pair_logprobs(model_tok[0], tok, rows[::-1], 96)
+        policy = _pair_logprobs(m, tok, rows[::-1], 96)
+    for got, base, pol in zip(again, want, policy):
+        torch.testing.assert_close(got, base, rtol=1e-5, atol=1e-5)
+        assert (got - pol).abs().max() > 1e-3          # not the policy's
+    torch.testing.assert_close(first[0], again[0][1:].flip(0))
+    assert len(reference.known) == 3
 
 
 def test_dpo_early_stopping_keeps_the_best_held_out_step(model_tok):
