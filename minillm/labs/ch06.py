@@ -6,19 +6,41 @@ Each ``check_*`` compares the student's function with the package's
 distribution itself, prints a one-line verdict and returns a
 :class:`~minillm.labs.common.Result` (``passed`` is None while the exercise still raises
 NotImplementedError).
+
+The ``check_*_in_engine`` builds put the student's function into the engine's speculator
+(:class:`~minillm.engine.speculation.Speculator`, here the package's
+:class:`~minillm.spec_decode.DraftAndVerify`: a proposer plus verification rules) through a small
+adapter: :class:`StepVerify` (the one-step sampling rule verifies sampled chains),
+:class:`FunctionLookup` (prompt lookup is the drafter), :class:`MaskedDraft` (the tree mask
+drives a tree verification pass).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
+import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from ..engine.sequence import Draft
+from ..checkpoint import random_model
+from ..config import SamplingParams, get_preset
+from ..engine import EngineConfig, LLMEngine
+from ..engine.sampler import SamplingBatch, filtered_probs
+from ..engine.sequence import Draft, Sequence
+from ..model.transformer import Transformer
+from ..spec_decode.config import SpeculativeConfig
+from ..spec_decode.drafters import DrafterConfig, DraftHead, build_drafter
+from ..spec_decode.inputs import SpecInput
 from ..spec_decode.ngram import prompt_lookup
+from ..spec_decode.proposers import NgramProposer
+from ..spec_decode.speculator import DraftAndVerify, SpecStats, build_speculator
 from ..spec_decode.trees import medusa_tree, tree_parents
 from ..spec_decode.verify import greedy_accept
 from .common import Result, check
+from .in_engine import assert_same_tokens, demo_model, finish_all
 
 
 def check_greedy_accept(fn: Callable) -> Result:
@@ -167,5 +189,421 @@ def check_tree_mask(fn: Callable) -> Result:
     return check("tree_mask", attempt)
 
 
-__all__ = ["check_greedy_accept", "check_prompt_lookup", "check_rejection_step",
-           "check_tree_mask", "emitted_distribution", "tv_tolerance"]
+# --- builds: the student's rule, drafter and mask inside the engine --------------------------
+
+
+def sampling_model(vocab_size: int = 256) -> Transformer:
+    """The tiny preset with a vocabulary of ``vocab_size`` tokens, seeded random weights, in
+    float64: the default target of :func:`check_rejection_in_engine` (its many sampled
+    continuations are cheap with a small vocabulary)."""
+    return random_model(get_preset("tiny").with_(vocab_size=vocab_size), seed=1).double()
+
+
+def attentive_model() -> Transformer:
+    """The tiny float64 demo model with its attention weights (q, k, v, o) multiplied by 4:
+    peaked attention whose output outweighs the token's own embedding, so that a token
+    attending to the wrong positions changes the greedy output (the default target of
+    :func:`check_tree_mask_in_engine`)."""
+    model = demo_model()
+    with torch.no_grad():
+        for layer in model.layers:
+            for w in (layer.attn.wq, layer.attn.wk, layer.attn.wv, layer.attn.wo):
+                w.weight.mul_(4.0)
+    return model
+
+
+def first_layer_drafter(model: Transformer, sharpness: float = 8.0) -> tuple:
+    """(module, head, manifest) for ``build_speculator(..., drafter=...)``: a one-layer draft
+    model that is ``model``'s first layer followed by its final norm and output matrix, the
+    logits multiplied by ``sharpness`` (a confident drafter: its guesses overlap the target's
+    without being distributed like them, so both acceptance and rejection happen often)."""
+    c = model.cfg
+    cfg = DrafterConfig("draft_model", d_model=c.d_model, layers=1, n_heads=c.n_heads,
+                        n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ffn_dim=c.ffn_dim,
+                        draft_vocab=c.vocab_size)
+    module = build_drafter(cfg, model)
+    module.layers[0].load_state_dict(model.layers[0].state_dict())
+    module.norm.load_state_dict(model.norm.state_dict())
+    module = module.to(device=model.device, dtype=model.dtype).eval()
+    ids = torch.arange(c.vocab_size, device=model.device)
+    return module, DraftHead(model.lm_head.weight * sharpness, ids), {}
+
+
+class StepVerify(DraftAndVerify):
+    """The package's speculator with its sampled chains verified by exercise (b)'s one-step
+    rule ``step(draft_token, q, p, u, generator)``, position by position as the chapter
+    describes: u ~ U(0, 1) from the request's generator; the first rejection's token ends the
+    round; after k acceptances the bonus token is drawn from the target's last row. p, q: the
+    target's and the drafter's distributions [V] (float64, after the request's temperature and
+    filters). Greedy drafts, and drafts without q, go to the package's rules. ``base``: the
+    speculator whose proposer this one keeps."""
+
+    def __init__(self, step: Callable, base: DraftAndVerify) -> None:
+        super().__init__(base.config, base.max_seq_len, base.proposer)
+        self.step = step
+
+    def verify(self, seq: Sequence, draft: Draft, logits: torch.Tensor,
+               params: SamplingParams, generator: torch.Generator | None
+               ) -> tuple[list[int], int]:
+        if params.greedy or draft.q is None:
+            return super().verify(seq, draft, logits, params, generator)
+        rows = len(draft.tokens) + 1
+        batch = SamplingBatch.from_params([params] * rows, [generator] * rows, logits.device)
+        p = filtered_probs(logits, batch).cpu().double()
+        q = draft.q.cpu().double()
+        kept, token = 0, None
+        for d, q_i, p_i in zip(draft.tokens, q, p):
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            accepted, token = self.step(d, q_i.clone(), p_i.clone(), u, generator)
+            if not accepted:
+                break
+            kept += 1
+        if kept == len(draft.tokens):
+            token = torch.multinomial(p[-1], 1, generator=generator)
+        self.stats.add(len(draft.tokens), kept)
+        return list(range(1, kept + 1)), int(token)
+
+
+@torch.inference_mode()
+def first_tokens_distribution(model: Transformer, prompt: list[int], params: SamplingParams,
+                              n: int) -> dict[tuple[int, ...], float]:
+    """The exact distribution of the first ``n`` tokens plain sampling draws after ``prompt``:
+    {(t_1, ..., t_n): probability}, from the target's logits with the request's temperature and
+    filters (the engine's :func:`~minillm.engine.sampler.filtered_probs`), one forward per
+    position over every prefix of nonzero probability (keep top_k small)."""
+    dist: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(n):
+        prefixes = list(dist)
+        ids = torch.tensor([prompt + list(pre) for pre in prefixes], device=model.device)
+        batch = SamplingBatch.from_params([params] * len(prefixes), [None] * len(prefixes),
+                                          model.device)
+        probs = filtered_probs(model(ids)[:, -1], batch).double().cpu()
+        dist = {pre + (t,): dist[pre] * float(probs[i, t]) for i, pre in enumerate(prefixes)
+                for t in probs[i].nonzero().flatten().tolist()}
+    return dist
+
+
+def total_variation(counts: Counter, exact: dict) -> float:
+    """Total variation distance between the empirical distribution of ``counts`` and
+    ``exact`` (both keyed by outcome)."""
+    n = sum(counts.values())
+    return 0.5 * sum(abs(counts.get(x, 0) / n - exact.get(x, 0.0))
+                     for x in set(counts) | set(exact))
+
+
+def marginal(dist: dict[tuple, float], position: int) -> dict[int, float]:
+    """One position's share of ``dist`` (probabilities or counts of token tuples)."""
+    out: dict[int, float] = {}
+    for key, prob in dist.items():
+        out[key[position]] = out.get(key[position], 0.0) + prob
+    return out
+
+
+def sample_first_tokens(engine: LLMEngine, prompt: list[int], params: SamplingParams,
+                        samples: int, positions: int, per_request: int = 25
+                        ) -> tuple[Counter, float]:
+    """``samples`` sampled continuations of ``prompt`` through ``engine``, as requests of
+    ``per_request`` parallel samples (one prefill serves them all), request i seeded with i,
+    as many at a time as ``max_num_seqs`` holds: the counts of their first ``positions``
+    tokens (each sample generates one token more, so that a draft can reach the last counted
+    position), and the seconds taken. AssertionError on a failed request or a KV block left
+    in use."""
+    t0 = time.perf_counter()
+    sizes = [min(per_request, samples - start) for start in range(0, samples, per_request)]
+    wave = max(1, engine.config.max_num_seqs // per_request)
+    counts: Counter = Counter()
+    for first in range(0, len(sizes), wave):
+        ids = [engine.add_request(prompt, dataclasses.replace(
+            params, n=n, seed=first + i, max_tokens=positions + 1, ignore_eos=True))
+            for i, n in enumerate(sizes[first:first + wave])]
+        done = {}
+        while engine.has_unfinished():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        failed = [done[i] for i in ids if done[i].error]
+        assert not failed, f"request {failed[0].request_id} failed: {failed[0].error}"
+        counts.update(tuple(c.token_ids[:positions]) for i in ids for c in done[i].outputs)
+    assert engine.blocks.num_free == engine.blocks.num_blocks, "KV blocks left in use"
+    return counts, time.perf_counter() - t0
+
+
+def sampling_engine(model: Transformer, prompt_len: int, k: int, max_seqs: int = 128
+                    ) -> LLMEngine:
+    """An engine for many short sampled sequences of a ``prompt_len``-token prompt, drafts of
+    up to ``k`` tokens: ``max_seqs`` at once, KV blocks for all of them."""
+    per_seq = -(-(prompt_len + 2 * k + 4) // 16) + 1
+    return LLMEngine(model, None, EngineConfig(
+        max_num_seqs=max_seqs, num_kv_blocks=max_seqs * per_seq + 8, block_size=16,
+        max_num_batched_tokens=max(2048, max_seqs * (k + 1) + 4 * prompt_len)))
+
+
+def check_rejection_in_engine(fn: Callable, model: Transformer | None = None,
+                              prompt: list[int] | None = None, drafter: tuple | None = None,
+                              samples: int = 600, k: int = 2, top_k: int = 2,
+                              positions: int = 3) -> Result:
+    """Exercise (b)'s ``rejection_step`` verifies the engine's sampled drafts
+    (:class:`StepVerify`): a draft model proposes chains of ``k`` tokens, sampled from its own
+    distribution q, for ``samples`` continuations of ``prompt`` (seeded requests of 25 parallel
+    samples each) at temperature 1 with top-k ``top_k`` (so the distribution of the first
+    tokens has few outcomes). Passes when the first ``positions`` tokens the engine emits,
+    taken together and at each position, are within about 4 standard errors (total
+    variation, :func:`tv_tolerance`) of their exact distribution under plain sampling
+    (:func:`first_tokens_distribution`). The package's rule
+    runs the same way for comparison; prints both distances and acceptance rates. Defaults:
+    the small-vocabulary float64 model (:func:`sampling_model`), a random prompt,
+    :func:`first_layer_drafter`."""
+    model = model or sampling_model()
+    if prompt is None:
+        g = torch.Generator().manual_seed(7)
+        prompt = torch.randint(5, model.cfg.vocab_size, (8,), generator=g).tolist()
+    params = SamplingParams(temperature=1.0, top_k=top_k)
+    options = {"method": "draft_model", "num_speculative_tokens": k}
+    draft_lm = drafter or first_layer_drafter(model)
+
+    def run(step: Callable | None) -> tuple[Counter, float, SpecStats]:
+        engine = sampling_engine(model, len(prompt), k)
+        base = build_speculator(options, engine, drafter=draft_lm)
+        engine.use_speculator(StepVerify(step, base) if step else base)
+        counts, seconds = sample_first_tokens(engine, prompt, params, samples, positions)
+        return counts, seconds, engine.speculator.stats
+
+    def attempt() -> None:
+        p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+        fn(0, p.flip(0), p, 0.5, torch.Generator().manual_seed(0))   # a stub raises here
+        exact = first_tokens_distribution(model, prompt, params, positions)
+        tol = tv_tolerance(list(exact.values()), samples)
+        ref, ref_s, ref_stats = run(None)
+        mine, mine_s, stats = run(fn)
+        assert stats.rounds > 0, "no sampled draft was verified: nothing was tested"
+        tv, ref_tv = total_variation(mine, exact), total_variation(ref, exact)
+        tests = [(f"the first {positions} tokens, together,", tv, tol, ref_tv)]
+        for j in range(positions):
+            want = marginal(exact, j)
+            tests.append((f"the tokens at position {j + 1}",
+                          total_variation(Counter(marginal(mine, j)), want),
+                          tv_tolerance(list(want.values()), samples),
+                          total_variation(Counter(marginal(ref, j)), want)))
+        for what, got, allowed, theirs in tests:
+            assert got <= allowed, (
+                f"over {samples} samples, {what} under your rule are distributed {got:.3f} "
+                f"from the target's own distribution in total variation (sampling noise allows "
+                f"{allowed:.3f}; the package's rule, run the same way: {theirs:.3f}): the output "
+                f"is not distributed as the target's")
+
+        def acc(s: SpecStats) -> str:
+            return ", ".join(f"{a:.2f}" for a in s.acceptance_by_position)
+
+        print(f"{samples} samples, {len(exact)} possible first {positions} tokens: your rule "
+              f"{tv:.3f} from the exact distribution (acceptance by position {acc(stats)}; "
+              f"{mine_s:.1f} s), the package's {ref_tv:.3f} ({acc(ref_stats)}; {ref_s:.1f} s); "
+              f"sampling noise allows {tol:.3f}")
+
+    return check("rejection_in_engine", attempt)
+
+
+class FunctionLookup:
+    """Exercise (c)'s ``prompt_lookup`` as the engine's drafter (a proposer of
+    :mod:`minillm.spec_decode.proposers`): each sequence's draft is
+    ``fn(its tokens, k, max_n)``, k cut to the room the sequence has left, as a chain; no draft
+    when it returns []."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, fn: Callable, k: int, max_n: int) -> None:
+        self.fn, self.k, self.max_n, self.max_nodes = fn, k, max_n, k
+
+    def propose(self, inputs: list[SpecInput], hidden: dict) -> list[Draft | None]:
+        out = []
+        for inp in inputs:
+            k = min(self.k, inp.max_depth)
+            tokens = [int(t) for t in self.fn(list(inp.seq.token_ids), k, self.max_n)] if k else []
+            if len(tokens) > k:
+                raise ValueError(f"prompt_lookup returned {len(tokens)} tokens, more than "
+                                 f"k = {k}")
+            out.append(Draft.chain(tokens) if tokens else None)
+        return out
+
+    def fork(self, parent_id: int, child_id: int) -> None: ...
+
+    def release(self, seq_id: int) -> None: ...
+
+
+def serve_in_order(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Each prompt through ``engine`` once the previous one has finished (batch 1, where
+    speculation pays), greedy, ``max_tokens`` each: tokens per request, steps, seconds."""
+    tokens, steps, t0 = [], 0, time.perf_counter()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for p in prompts:
+        run = finish_all(engine, [engine.add_request(p, params)])
+        tokens += run["tokens"]
+        steps += run["steps"]
+    return {"tokens": tokens, "steps": steps, "seconds": time.perf_counter() - t0}
+
+
+def repeating_prompts(n: int = 3, length: int = 24, seed: int = 2) -> list[list[int]]:
+    """``n`` prompts that repeat a random phrase of 6 tokens (material for prompt lookup)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(5, 2000, (6,), generator=g).tolist() * length)[:length]
+            for _ in range(n)]
+
+
+def _spec_engine(model: Transformer, proposer, config: SpeculativeConfig,
+                 max_seqs: int = 4) -> LLMEngine:
+    engine = LLMEngine(model, None, EngineConfig(max_num_seqs=max_seqs, num_kv_blocks=256))
+    engine.use_speculator(DraftAndVerify(config, model.cfg.max_seq_len, proposer))
+    return engine
+
+
+def _rate(run: dict, plain: dict) -> str:
+    speedup = plain["seconds"] / run["seconds"]
+    return f"{run['steps']} steps, {run['seconds']:.2f} s ({speedup:.2f}x plain's speed)"
+
+
+def check_prompt_lookup_in_engine(fn: Callable, model: Transformer | None = None,
+                                  prompts: list[list[int]] | None = None,
+                                  max_tokens: int = 24, k: int = 4, max_n: int = 3) -> Result:
+    """Exercise (c)'s ``prompt_lookup`` drafts in the engine (:class:`FunctionLookup`), greedy,
+    one prompt after another. Passes when every request gets the plain engine's tokens and
+    the drafter proposes and gets accepted exactly what the package's
+    :class:`~minillm.spec_decode.proposers.NgramProposer` does (the same verification rounds,
+    drafts and acceptances by position); prints tokens per verification and the speedup over
+    plain decoding both ways. Defaults: the tiny float64 model, prompts that repeat a
+    phrase."""
+    model = model or demo_model()
+    prompts = prompts if prompts is not None else repeating_prompts()
+    config = SpeculativeConfig("ngram", k, prompt_lookup_max=max_n)
+
+    def attempt() -> None:
+        fn([1, 2, 1], 2, 2)                          # a stub raises NotImplementedError here
+        plain = serve_in_order(LLMEngine(model, None, EngineConfig(num_kv_blocks=256)),
+                               prompts, max_tokens)
+        ref_engine = _spec_engine(model, NgramProposer(k, max_n), config)
+        ref = serve_in_order(ref_engine, prompts, max_tokens)
+        engine = _spec_engine(model, FunctionLookup(fn, k, max_n), config)
+        mine = serve_in_order(engine, prompts, max_tokens)
+        assert_same_tokens(mine, plain)
+        got, want = engine.speculator.stats, ref_engine.speculator.stats
+        assert want.rounds > 0, "the package's drafter found nothing to propose: no test"
+        assert (got.rounds, got.proposed, got.accepted) == (want.rounds, want.proposed,
+                                                             want.accepted), (
+            f"the plain engine's tokens (a drafter never changes them), but your drafter "
+            f"made {got.rounds} drafts (by depth {got.proposed}, accepted {got.accepted}) where "
+            f"the package's NgramProposer made {want.rounds} (by depth {want.proposed}, "
+            f"accepted {want.accepted})")
+        print(f"your prompt_lookup: {got.mean_accepted:.2f} tokens per verification over "
+              f"{got.rounds} rounds, {_rate(mine, plain)}; the package's: "
+              f"{want.mean_accepted:.2f}, {_rate(ref, plain)}; plain decoding: {plain['steps']} "
+              f"steps, {plain['seconds']:.2f} s")
+
+    return check("prompt_lookup_in_engine", attempt)
+
+
+@dataclass
+class MaskedDraft(Draft):
+    """A draft whose tree-attention mask comes from ``mask_fn(parents)`` (exercise (d)'s
+    ``tree_mask``) instead of :meth:`Draft.tree_inputs`; the positions are the package's (the
+    root's plus each node's depth). The runner asks every tree draft for its mask."""
+
+    mask_fn: Callable | None = None
+
+    def tree_inputs(self, root: int) -> tuple[list[list[bool]], list[int]]:
+        mask = torch.as_tensor(self.mask_fn(list(self.parents))).bool()
+        n = len(self.tokens) + 1
+        if tuple(mask.shape) != (n, n):
+            raise ValueError(f"tree_mask({self.parents}) has shape {tuple(mask.shape)}, "
+                             f"expected ({n}, {n})")
+        return mask.tolist(), [root + d for d in self.depths()]
+
+    def pruned(self, max_depth: int) -> Draft | None:
+        cut = super().pruned(max_depth)
+        if cut is None or cut is self:
+            return cut
+        return MaskedDraft(cut.tokens, cut.parents, cut.q, self.mask_fn)
+
+
+class OracleTree:
+    """A tree drafter that knows each prompt's greedy continuation (``continuations``, keyed
+    by the prompt's tokens) and hides it off the first branch: at each depth, up to
+    ``depth``, a decoy first, then the right token, under the right token of the depth above.
+    The decoy is the token after the right one, with the token after that as its child (a
+    drafter that skipped a token), so a node that sees its siblings reads the answer's future.
+    Verification accepts the whole right path only if each node's logits come from its own
+    ancestors. ``mask_fn``: the drafts' tree mask (None: the package's)."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, continuations: dict[tuple, list[int]], depth: int, vocab_size: int,
+                 mask_fn: Callable | None = None) -> None:
+        self.continuations, self.depth, self.vocab = continuations, depth, vocab_size
+        self.mask_fn, self.max_nodes = mask_fn, 3 * depth
+
+    def propose(self, inputs: list[SpecInput], hidden: dict) -> list[Draft | None]:
+        out: list[Draft | None] = []
+        for inp in inputs:
+            s = inp.seq
+            done = s.num_tokens - s.prompt_len
+            want = self.continuations[tuple(s.token_ids[:s.prompt_len])][done:]
+            want = want + [(want[-1] + 1 + j) % self.vocab for j in range(3)] if want else []
+            tokens: list[int] = []
+            parents: list[int] = []
+            node = 0
+            for d in range(min(self.depth, inp.max_depth, len(want) - 3)):
+                decoy = want[d + 1] if want[d + 1] != want[d] else (want[d] + 1) % self.vocab
+                tokens += [decoy, want[d + 2], want[d]]
+                parents += [node, len(tokens) - 2, node]
+                node = len(tokens)
+            if not tokens:
+                out.append(None)
+            elif self.mask_fn is None:
+                out.append(Draft(tokens, parents))
+            else:
+                out.append(MaskedDraft(tokens, parents, None, self.mask_fn))
+        return out
+
+    def fork(self, parent_id: int, child_id: int) -> None: ...
+
+    def release(self, seq_id: int) -> None: ...
+
+
+def check_tree_mask_in_engine(fn: Callable, model: Transformer | None = None,
+                              prompts: list[list[int]] | None = None, max_tokens: int = 24,
+                              depth: int = 3) -> Result:
+    """Exercise (d)'s ``tree_mask`` is the attention mask of the engine's tree verification
+    (:class:`MaskedDraft`), greedy, one prompt after another. The drafter
+    (:class:`OracleTree`) knows the plain engine's tokens and hides them off the first branch
+    of every tree, behind decoys, so the whole right path is accepted only if each node
+    attended to its ancestors alone. Passes when every request gets the plain engine's
+    tokens; prints tokens per verification with your mask and the package's. Defaults:
+    :func:`attentive_model`, random prompts."""
+    model = model or attentive_model()
+    if prompts is None:
+        g = torch.Generator().manual_seed(4)
+        prompts = [torch.randint(5, 2000, (n,), generator=g).tolist() for n in (9, 17, 30)]
+    config = SpeculativeConfig("eagle", depth, tree_nodes=3 * depth)
+
+    def attempt() -> None:
+        fn([0, 0])                                   # a stub raises NotImplementedError here
+        plain = serve_in_order(LLMEngine(model, None, EngineConfig(num_kv_blocks=256)),
+                               prompts, max_tokens)
+        known = {tuple(p): t for p, t in zip(prompts, plain["tokens"])}
+        vocab = model.cfg.vocab_size
+        ref_engine = _spec_engine(model, OracleTree(known, depth, vocab), config)
+        ref = serve_in_order(ref_engine, prompts, max_tokens)
+        engine = _spec_engine(model, OracleTree(known, depth, vocab, fn), config)
+        mine = serve_in_order(engine, prompts, max_tokens)
+        assert_same_tokens(ref, plain)
+        assert_same_tokens(mine, plain)
+        got, want = engine.speculator.stats, ref_engine.speculator.stats
+        print(f"with your tree_mask: {got.mean_accepted:.2f} tokens per verification "
+              f"({got.nodes / max(1, got.rounds):.1f} tree nodes verified per round), "
+              f"{_rate(mine, plain)}; with the package's: {want.mean_accepted:.2f}, "
+              f"{_rate(ref, plain)}")
+
+    return check("tree_mask_in_engine", attempt)
+
+
+__all__ = ["FunctionLookup", "MaskedDraft", "OracleTree", "StepVerify", "attentive_model",
+           "check_greedy_accept", "check_prompt_lookup", "check_prompt_lookup_in_engine",
+           "check_rejection_in_engine", "check_rejection_step", "check_tree_mask",
+           "check_tree_mask_in_engine", "emitted_distribution", "first_layer_drafter",
+           "first_tokens_distribution", "marginal", "repeating_prompts", "sample_first_tokens",
+           "sampling_engine", "sampling_model", "serve_in_order", "total_variation", "tv_tolerance"]

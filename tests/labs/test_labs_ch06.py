@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from lab_checks import checker_tests
 
+from minillm import SamplingParams
 from minillm.labs import ch06
 from minillm.labs.solutions.ch06 import (
     greedy_accept,
@@ -11,6 +12,7 @@ from minillm.labs.solutions.ch06 import (
     rejection_step,
     tree_mask,
 )
+from minillm.spec_decode.speculator import build_speculator
 
 # --- wrong solutions -----------------------------------------------------------------------
 
@@ -38,6 +40,17 @@ def lookup_oldest_first(tokens, k, max_n):
     return []
 
 
+def lookup_matching_the_tail(tokens, k, max_n):
+    """Searches from the end including the tail itself, which always matches and has nothing
+    after it: it never proposes anything."""
+    for n in range(min(max_n, len(tokens) - 1), 0, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n, -1, -1):
+            if tokens[start:start + n] == tail:
+                return tokens[start + n:start + n + k]
+    return []
+
+
 def mask_parent_only(parents):
     """Each node sees itself and its parent, not all its ancestors."""
     n = len(parents) + 1
@@ -47,13 +60,26 @@ def mask_parent_only(parents):
     return mask
 
 
+def mask_causal(parents):
+    """The chain's causal mask: every node sees all nodes before it, its siblings included."""
+    n = len(parents) + 1
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
 CHECKS = [
     (ch06.check_greedy_accept, greedy_accept, greedy_count_matches),
     (ch06.check_rejection_step, rejection_step, rejection_resample_from_p),
+    (ch06.check_rejection_in_engine, rejection_step, rejection_resample_from_p),
     (ch06.check_prompt_lookup, prompt_lookup, lookup_oldest_first),
+    (ch06.check_prompt_lookup_in_engine, prompt_lookup, lookup_matching_the_tail),
+    (ch06.check_prompt_lookup_in_engine, prompt_lookup, lookup_oldest_first),
     (ch06.check_tree_mask, tree_mask, mask_parent_only),
+    (ch06.check_tree_mask_in_engine, tree_mask, mask_parent_only),
+    (ch06.check_tree_mask_in_engine, tree_mask, mask_causal),
 ]
-IDS = ["greedy_accept", "rejection_step", "prompt_lookup", "tree_mask"]
+IDS = ["greedy_accept", "rejection_step", "engine_rejection_resamples_p", "prompt_lookup",
+       "engine_lookup_matches_the_tail", "engine_lookup_oldest_first", "tree_mask",
+       "engine_mask_parent_only", "engine_mask_causal"]
 test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = checker_tests(CHECKS, IDS)
 
 
@@ -90,3 +116,36 @@ def test_tolerance_separates_right_and_biased():
 def test_always_accepting_fails():
     result = ch06.check_rejection_step(lambda d, q, p, u, g: (True, d))
     assert result.passed is False
+
+
+def test_a_lookup_that_never_drafts_keeps_the_tokens_but_not_the_acceptance():
+    result = ch06.check_prompt_lookup_in_engine(lookup_matching_the_tail)
+    assert result.passed is False and "made 0 drafts" in result.message
+
+
+def test_a_wrong_tree_mask_changes_the_engine_output():
+    result = ch06.check_tree_mask_in_engine(mask_causal)
+    assert result.passed is False and "request" in result.message
+
+
+def test_the_engine_rule_draws_from_the_request_generator():
+    """Seeded requests: the same rule gives the same tokens twice; exact distribution sums
+    to 1 (float32 probabilities) over top_k ** positions outcomes at most."""
+    model = ch06.sampling_model()
+    prompt = list(range(5, 13))
+    params = SamplingParams(temperature=1.0, top_k=2)
+    exact = ch06.first_tokens_distribution(model, prompt, params, 2)
+    assert abs(sum(exact.values()) - 1) < 1e-6 and len(exact) <= 4
+    runs = []
+    for _ in range(2):
+        engine = ch06.sampling_engine(model, len(prompt), 2)
+        base = build_speculator({"method": "draft_model", "num_speculative_tokens": 2}, engine,
+                                drafter=ch06.first_layer_drafter(model))
+        engine.use_speculator(ch06.StepVerify(rejection_step, base))
+        runs.append(ch06.sample_first_tokens(engine, prompt, params, 40, 2)[0])
+    assert runs[0] == runs[1] and sum(runs[0].values()) == 40
+
+
+def test_a_rule_that_always_accepts_fails_in_the_engine():
+    result = ch06.check_rejection_in_engine(lambda d, q, p, u, g: (True, d))
+    assert result.passed is False and "total variation" in result.message

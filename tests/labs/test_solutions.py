@@ -34,7 +34,8 @@ def test_every_reference_passes(chapter):
 
 NOTEBOOKS = {("" if path.name[0] == "A" else "ch") + path.name.split("_")[0].lower(): path
              for path in (Path(__file__).resolve().parents[2] / "chapters").glob("*.ipynb")}
-LABS = ("ch01", "ch02", "ch03", "ch04", "ch05", "ch07", "ch08", "ch09", "a1", "a2", "a3")
+LABS = ("ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch06b", "ch07", "ch08", "ch09", "a1",
+        "a2", "a3")
 
 
 @pytest.mark.parametrize("chapter", solutions.CHAPTERS)

@@ -40,6 +40,9 @@ def tree_mask(parents):
 KEY = [
     (ch06.check_greedy_accept, greedy_accept),
     (ch06.check_rejection_step, rejection_step),
+    (ch06.check_rejection_in_engine, rejection_step),
     (ch06.check_prompt_lookup, prompt_lookup),
+    (ch06.check_prompt_lookup_in_engine, prompt_lookup),
     (ch06.check_tree_mask, tree_mask),
+    (ch06.check_tree_mask_in_engine, tree_mask),
 ]

@@ -3,7 +3,20 @@ from __future__ import annotations
 
 import heapq
 
+import torch
+
 from minillm.labs import ch06b
+
+
+def block_mask(t, anchors, s):
+    # Context rows: themselves. A block: the context before its anchor, and its own rows.
+    mask = torch.zeros(t + len(anchors) * s, t + len(anchors) * s, dtype=torch.bool)
+    mask[range(t), range(t)] = True
+    for b, a in enumerate(anchors):
+        rows = slice(t + b * s, t + (b + 1) * s)
+        mask[rows, :a] = True
+        mask[rows, rows] = True
+    return mask
 
 
 def best_first_tree(logps, budget):
@@ -37,6 +50,9 @@ def fill_budget(confidences, budget):
 
 
 KEY = [
+    (ch06b.check_block_mask, block_mask),
     (ch06b.check_best_first_tree, best_first_tree),
+    (ch06b.check_best_first_tree_in_engine, best_first_tree),
     (ch06b.check_fill_budget, fill_budget),
+    (ch06b.check_fill_budget_in_engine, fill_budget),
 ]
