@@ -31,6 +31,10 @@ def validate_request(engine: LLMEngine, prompt: str | list[int], params: Samplin
     if params.stop and engine.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; this model has none")
     width = max(params.n, params.beam_width)
+    if width > engine.config.max_num_seqs:
+        raise ValueError(f"n and beam_width must be at most max_num_seqs "
+                         f"({engine.config.max_num_seqs}): a request's samples or beams run "
+                         f"together; got {width}")
     longest = min(len(ids) + params.max_tokens, engine.model.cfg.max_seq_len)
     shared = len(ids) // engine.blocks.block_size      # full prompt blocks, shared by forks
     need = shared + width * (blocks_for(longest, engine.blocks.block_size) - shared)

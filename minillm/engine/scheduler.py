@@ -238,8 +238,10 @@ class Scheduler(StepUpdater):
                 self.running.append(req)
 
     def _seq_room(self, req: Request) -> bool:
-        live = sum(len(r.seqs) for r in self.running)
-        return live + len(req.seqs) <= self.config.max_num_seqs
+        """Whether ``req`` fits the sequence limit next to the running requests, each counted
+        at the width it will have once its first token forks it (n samples, beams)."""
+        live = sum(r.width for r in self.running)
+        return live + req.width <= self.config.max_num_seqs
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in order while sequences, tokens and blocks allow. Without

@@ -199,6 +199,14 @@ class Request:
     generator: Any = None      # torch.Generator of a seeded request (None: the global RNG)
     error: str | None = None   # why it failed, when a component broke its contract for it
 
+    @property
+    def width(self) -> int:
+        """Live sequences it holds once its first token forks it (n samples, beam_width beams);
+        until then its one sequence stands for all of them."""
+        if len(self.seqs) + len(self.done) > 1:
+            return len(self.seqs)
+        return max(len(self.seqs), self.params.n, self.params.beam_width)
+
     def __post_init__(self) -> None:
         if not self.seqs:
             self.seqs = [Sequence(list(self.prompt_ids), len(self.prompt_ids))]

@@ -130,6 +130,20 @@ def test_prompt_logprobs_survive_recompute_mid_prompt(sharp):
 
 
 
+def test_parallel_samples_are_admitted_at_their_forked_width(sharp):
+    """A request with n samples holds one sequence until its first token forks it into n: the
+    scheduler counts it at n, so requests that fit one by one never overfill a later step."""
+    engine = LLMEngine(sharp, None, EngineConfig(num_kv_blocks=64, max_num_seqs=8))
+    params = [SamplingParams(temperature=1.0, n=5, max_tokens=4, seed=i, ignore_eos=True)
+              for i in range(3)]
+    outs = run_all(engine, prompts_of([9, 12, 7]), params)
+    assert all(o.outputs[0].finish_reason == "length" and len(o.outputs) == 5 for o in outs), \
+        [o.error for o in outs]
+    with pytest.raises(ValueError, match="at most max_num_seqs"):
+        engine.add_request(prompts_of([9])[0], SamplingParams(n=9, max_tokens=2))
+    assert_all_free(engine)
+
+
 # ---- bad input -------------------------------------------------------------------------------
 @pytest.mark.parametrize("options, name", [
     (dict(max_num_batched_tokens=8, block_size=16, max_num_seqs=4), "block_size"),
