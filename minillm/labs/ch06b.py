@@ -301,7 +301,24 @@ def _check_window(fn: Callable, drafter: BlockDrafter, embed, tokens: list[int],
             f"nothing else")
 
 
-class TreeFromFunction:
+class _AroundBlockProposer:
+    """A proposer that lets the package's block proposer ``inner`` draft, then rebuilds each
+    draft with the student's ``fn``; ``mismatch`` keeps the first disagreement with the
+    package's own draft. Forks and releases go to ``inner``."""
+
+    def __init__(self, fn: Callable, inner: BlockProposer) -> None:
+        self.fn, self.inner = fn, inner
+        self.hidden_layers, self.max_nodes = inner.hidden_layers, inner.max_nodes
+        self.mismatch: str | None = None
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        self.inner.fork(parent_id, child_id)
+
+    def release(self, seq_id: int) -> None:
+        self.inner.release(seq_id)
+
+
+class TreeFromFunction(_AroundBlockProposer):
     """DDTree with exercise (b)'s ``best_first_tree`` building the trees: the package's block
     proposer ``inner`` (method ddtree) drafts each block and keeps, per sequence, the
     candidates of every depth (``inner.last``: their log-probabilities ``logp`` and tokens
@@ -309,11 +326,6 @@ class TreeFromFunction:
     nodes' tokens read from the candidates, and ``inner.last`` describes it instead. Each tree
     is compared with the package's from the same block: ``mismatch`` holds the first that
     differs (as a set of rank paths)."""
-
-    def __init__(self, fn: Callable, inner: BlockProposer) -> None:
-        self.fn, self.inner = fn, inner
-        self.hidden_layers, self.max_nodes = inner.hidden_layers, inner.max_nodes
-        self.mismatch: str | None = None
 
     def propose(self, inputs: list[SpecInput], hidden: dict) -> list[Draft | None]:
         drafts = self.inner.propose(inputs, hidden)
@@ -344,12 +356,6 @@ class TreeFromFunction:
                              f"{sorted(want - mine)[:3]}")
         last.update(tokens=draft.tokens, parents=parents, picks=picks)
         return draft
-
-    def fork(self, parent_id: int, child_id: int) -> None:
-        self.inner.fork(parent_id, child_id)
-
-    def release(self, seq_id: int) -> None:
-        self.inner.release(seq_id)
 
 
 def _block_engine(model: Transformer, options: dict, drafter: tuple | None, max_seqs: int,
@@ -425,7 +431,7 @@ def check_best_first_tree_in_engine(fn: Callable, model: Transformer | None = No
     return check("best_first_tree_in_engine", attempt)
 
 
-class BudgetFromFunction:
+class BudgetFromFunction(_AroundBlockProposer):
     """DSpark with exercise (c)'s ``fill_budget`` sharing the verification budget: the
     package's block proposer ``inner`` (method dspark) drafts every sequence's chain with its
     confidences and cuts it at the early exit (``inner.last``: ``tokens``, ``confidence``,
@@ -434,11 +440,6 @@ class BudgetFromFunction:
     ``mismatch`` holds the first step whose shares expect fewer accepted tokens than the
     package's (:func:`expected_accepted`). Greedy requests only (a sampled draft's
     distributions are kept for the package's lengths)."""
-
-    def __init__(self, fn: Callable, inner: BlockProposer) -> None:
-        self.fn, self.inner = fn, inner
-        self.hidden_layers, self.max_nodes = inner.hidden_layers, inner.max_nodes
-        self.mismatch: str | None = None
 
     def propose(self, inputs: list[SpecInput], hidden: dict) -> list[Draft | None]:
         drafts = self.inner.propose(inputs, hidden)
@@ -472,12 +473,6 @@ class BudgetFromFunction:
             else:
                 self.inner.pending.pop(sid, None)
         return drafts
-
-    def fork(self, parent_id: int, child_id: int) -> None:
-        self.inner.fork(parent_id, child_id)
-
-    def release(self, seq_id: int) -> None:
-        self.inner.release(seq_id)
 
 
 def check_fill_budget_in_engine(fn: Callable, model: Transformer | None = None,
