@@ -3,17 +3,17 @@
 Layers (a test enforces the rule): the core (``config``, ``device``, ``sampling``,
 ``generate``, ``evaluate``, ``model``, ``checkpoint``, ``attention``, ``cache``, ``engine``)
 never imports chapter material or tools; one chapter's technique each (``spec_decode``,
-``parallel``, ``disagg``, ``quant``, ``train``, ``serve``, ``runtime``) builds on the core
-(importing ``minillm`` imports ``quant`` and ``spec_decode``, which register themselves with
-``load_model`` and ``LLM``); chapter material and tools (``course``, ``viz``, ``bench``,
-``labs``, ``cli``) sit on top.
+``parallel``, ``disagg``, ``quant``, ``train``, ``serve``, ``runtime``, ``structured``) builds on
+the core (importing ``minillm`` imports ``quant``, ``spec_decode`` and ``structured``, which
+register themselves with ``load_model`` and ``LLM``); chapter material and tools (``course``,
+``viz``, ``bench``, ``labs``, ``cli``) sit on top.
 ``minillm.kernels`` is the repository's ``kernels/`` folder.
 """
 import importlib.util as _util
 import sys as _sys
 from pathlib import Path as _Path
 
-from . import quant, spec_decode  # noqa: F401  (they register themselves with the core)
+from . import quant, spec_decode, structured  # noqa: F401  (they register themselves with the core)
 from .checkpoint.loader import load_model
 from .checkpoint.tokenizer import Tokenizer
 from .config import PRESETS, ModelConfig, SamplingParams

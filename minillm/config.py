@@ -5,7 +5,8 @@ with a message that names the parameter and the allowed range.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import json as _json
+from dataclasses import dataclass, fields, replace
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,66 @@ MAX_LOGPROBS = 20  # vLLM's default cap on logprobs / prompt_logprobs
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's ``structured_outputs``; its names): exactly one
+    of ``json`` (a JSON schema: a dict or its JSON text), ``regex`` (the whole output matches
+    it), ``choice`` (the output is one of these strings), ``grammar`` (an EBNF grammar whose
+    start rule is ``root``, the GBNF dialect of llama.cpp and xgrammar) or ``json_object``
+    (True: any JSON object). The engine turns it into a per-sequence matcher through the
+    constraint compiler it was given (:mod:`minillm.engine.constraints`); what each kind
+    accepts beyond these shape checks is the compiler's to say, at intake."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {given or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or "
+                                     f"its JSON text), got text that is not JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"structured_outputs.json must be a JSON schema object, got "
+                                 f"{type(schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got "
+                                 f"{value!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) and c
+                                                       for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a list of non-empty "
+                                 f"strings, got {self.choice!r}")
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must hold at least one string")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.json_object not in (True, False):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got "
+                             f"{self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which one is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    def schema_text(self) -> str:
+        """The JSON schema as JSON text (keys in the given order: a schema's property order is
+        the order the output writes them); only for kind "json"."""
+        return self.json if isinstance(self.json, str) else _json.dumps(self.json)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token (vLLM's names).
 
@@ -158,6 +219,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -186,6 +248,16 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {list(self.stop)!r}")
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            so = StructuredOutputsParams(**so)
+            object.__setattr__(self, "structured_outputs", so)
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams (or a dict "
+                             f"of its fields), got {type(so).__name__}")
+        if so is not None and self.use_beam_search:
+            raise ValueError(f"structured_outputs cannot be combined with beam search "
+                             f"(beam_width={self.beam_width})")
 
     @property
     def greedy(self) -> bool:

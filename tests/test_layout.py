@@ -30,7 +30,7 @@ PACKAGE = ROOT / "minillm"
 CORE = ("config", "device", "runinfo", "sampling", "kernels", "attention", "model", "cache",
         "checkpoint", "evaluate", "generate", "engine")
 TECHNIQUES = ("spec_decode", "spec_decode.training", "parallel", "disagg", "quant", "train",
-              "serve", "runtime")
+              "serve", "runtime", "structured")
 TOOLING = ("workloads", "serving_metrics", "driver")
 MATERIAL = ("course", "viz", "bench", "labs", "labs.solutions", "labs.grade", "labs.__main__",
             "cli", "__main__", "minillm")
@@ -60,27 +60,28 @@ ALLOWED: dict[str, set[str]] = {
     "train": {"config", "generate", "quant"},
     "serve": {"checkpoint", "config", "device", "engine"},
     "runtime": {"cache", "config", "device", "engine", "model", "sampling"},
+    "structured": {"checkpoint", "config", "engine"},
     # shared tooling: workloads, serving metrics, the driver
     "workloads": {"evaluate"},
     "serving_metrics": set(),
     "driver": {"config", "engine", "serving_metrics", "workloads"},
     # chapter material and tools
     "course": {"attention", "cache", "config", "device", "driver", "engine", "model",
-               "serving_metrics", "workloads"},
+               "serving_metrics", "structured", "workloads"},
     "viz": {"cache", "config", "course", "device", "parallel", "sampling"},
     "bench": {"cache", "checkpoint", "config", "device", "disagg", "driver", "engine",
               "evaluate", "generate", "model", "quant", "runinfo", "runtime",
               "serving_metrics", "spec_decode", "viz", "workloads"},
     "labs": {"attention", "cache", "checkpoint", "config", "course", "device", "engine", "serve",
              "evaluate", "generate", "model", "parallel", "quant", "runtime", "sampling",
-             "serving_metrics", "spec_decode", "train"},
+             "serving_metrics", "spec_decode", "structured", "train"},
     "labs.solutions": {"cache", "checkpoint", "course", "device", "labs"},
     "labs.grade": {"labs.solutions"},
     "labs.__main__": {"labs.grade"},
     "cli": {"bench", "checkpoint", "config", "generate", "serve"},
     "__main__": {"cli"},
     # the top: the public API, and the techniques that register themselves with the core
-    "minillm": {"checkpoint", "config", "engine", "model", "quant", "spec_decode"},
+    "minillm": {"checkpoint", "config", "engine", "model", "quant", "spec_decode", "structured"},
 }
 
 

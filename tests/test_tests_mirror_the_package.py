@@ -31,7 +31,6 @@ TESTED_ELSEWHERE = {
     "minillm.engine.handoff": "DisaggLLM's adoption of prefilled KV: tests/disagg/",
     "minillm.engine.intake": "LLMEngine.add_request's checks: tests/engine/test_engine.py",
     "minillm.engine.policies": "n > 1 and beam search through the engine: tests/engine/",
-    "minillm.engine.speculation": "every speculative engine test: tests/spec_decode/",
     "minillm.engine.update": "the update half of every engine step: tests/engine/",
     "minillm.labs.common": "every checker test: tests/labs/",
     "minillm.model.transformer": "the model every test loads (conftest fixtures)",

@@ -19,6 +19,13 @@ llama-cpp-python, the same GGUF file, the same threads; it runs one request at a
 vLLM's OpenAI server (:mod:`minillm.bench.vllm_peer`: the same weights as an HF folder, the
 serving dtype, the same threads, ``ignore_eos``; skipped, saying how to set it up, when its
 venv is missing).
+
+``--structured json`` sends every request with a small JSON schema (vLLM's
+``structured_outputs`` field; minillm and vLLM only), so a rate can be run with and without
+constrained decoding and the cost of the grammar (compile at intake, a mask per row per step)
+read off TPOT and tokens/s. The schema, a list of at least ``max_tokens`` strings
+(:func:`bench_schema`), cannot close before ``max_tokens`` tokens, so each request still
+generates as many tokens as without it (``short_outputs`` would count those that did not).
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -58,6 +65,21 @@ PEERS = ("minillm", "llama.cpp", "vllm")
 SERVED_NAME = "smollm2-135m"
 STARTUP_TIMEOUT = 180.0      # seconds a server may take to answer its readiness probe
 REQUEST_TIMEOUT = 600.0      # seconds one request may take (a queue behind a serial server)
+STRUCTURED = ("none", "json")
+STRUCTURED_PEERS = ("minillm", "vllm")     # servers that take vLLM's structured_outputs field
+
+
+def bench_schema(max_tokens: int) -> dict:
+    """``--structured json``'s schema for a request of ``max_tokens``: a JSON array of at least
+    that many strings (every item takes a token at least, so the JSON cannot close sooner)."""
+    return {"type": "array", "items": {"type": "string"}, "minItems": max_tokens}
+
+
+def structured_body(mode: str, max_tokens: int) -> dict:
+    """The request fields of ``--structured mode`` (none: nothing)."""
+    if mode not in STRUCTURED:
+        raise ValueError(f"structured must be one of {list(STRUCTURED)}, got {mode!r}")
+    return {} if mode == "none" else {"structured_outputs": {"json": bench_schema(max_tokens)}}
 
 
 # ----------------------------------------------------------------------------- one request
@@ -405,13 +427,15 @@ def run_serve_bench(model: str = "smollm2-135m", rates: Sequence[float] = RATES,
                     prompt_median: int = PROMPT_MEDIAN, prompt_max: int = PROMPT_MAX,
                     output_median: int = OUTPUT_MEDIAN, output_max: int = OUTPUT_MAX,
                     seed: int = 0, slo_ttft: float = SLO_TTFT_S, slo_tpot: float = SLO_TPOT_S,
-                    say: Callable[[str], None] = print) -> dict:
-    """Run the sweep against every server in ``peers`` (minillm, llama.cpp); the report."""
+                    say: Callable[[str], None] = print, structured: str = "none") -> dict:
+    """Run the sweep against every server in ``peers`` (minillm, llama.cpp); the report.
+    ``structured`` "json": every request carries :data:`BENCH_SCHEMA`."""
     from ..checkpoint.gguf import find_smollm2_gguf
 
     unknown = set(peers) - set(PEERS)
     if unknown:
         raise ValueError(f"peers must be among {list(PEERS)}, got {sorted(unknown)}")
+    structured_body(structured, 1)                    # ValueError for an unknown mode
     threads = threads or available_cores()
     slo = SLO(slo_ttft, slo_tpot)
     load = make_load(num_requests, rates, prompt_median, prompt_max, output_median,
@@ -422,13 +446,17 @@ def run_serve_bench(model: str = "smollm2-135m", rates: Sequence[float] = RATES,
               "workload": {"num_requests": num_requests, "seed": seed,
                            "prompt_median": prompt_median, "prompt_max": prompt_max,
                            "output_median": output_median, "output_max": output_max,
-                           "prompt_lens": load.prompt_lens, "output_lens": load.output_lens},
+                           "prompt_lens": load.prompt_lens, "output_lens": load.output_lens,
+                           "structured": structured,
+                           "structured_schema": {**bench_schema(0), "minItems": "max_tokens"}
+                           if structured == "json" else None},
               "servers": {}, "vllm": vllm_version() or vllm_missing(),
               "load_average": [os.getloadavg()[0]]}
     for name in peers:
         say(f"{name}: {len(load.arrivals)} rates x {num_requests} requests")
         try:
-            report["servers"][name] = server_run(name, model, threads, max_num_seqs, load, say)
+            report["servers"][name] = server_run(name, model, threads, max_num_seqs, load, say,
+                                                 structured)
         except RuntimeError as e:          # a server that does not start: say so, go on
             say(f"  {name} failed: {str(e)[:300]}")
             report["servers"][name] = {"skipped": f"failed: {e}"}
@@ -437,23 +465,33 @@ def run_serve_bench(model: str = "smollm2-135m", rates: Sequence[float] = RATES,
 
 
 def server_run(name: str, model: str, threads: int, max_num_seqs: int | None, load: Load,
-               say: Callable[[str], None]) -> dict:
-    """One server's sweep, or ``{"skipped": why}`` when llama.cpp's or vLLM's cannot run."""
+               say: Callable[[str], None], structured: str = "none") -> dict:
+    """One server's sweep, or ``{"skipped": why}`` when llama.cpp's or vLLM's cannot run (or
+    cannot take ``structured`` outputs)."""
     from ..checkpoint.gguf import find_smollm2_gguf
 
     port = free_port()
+    if structured != "none" and name not in STRUCTURED_PEERS:
+        why = f"skipped: --structured {structured} is sent to {list(STRUCTURED_PEERS)} only"
+        say(f"  {why}")
+        return {"skipped": why}
+
+    def run(spec: ServerSpec) -> dict:
+        ignore_eos = spec.extra
+        return sweep(replace(spec, extra=lambda n: {**ignore_eos(n),
+                                                    **structured_body(structured, n)}),
+                     port, threads, load, say)
+
     if name == "minillm":
-        return sweep(minillm_spec(model, port, max_num_seqs), port, threads, load, say)
+        return run(minillm_spec(model, port, max_num_seqs))
     why = llama_cpp_server_missing() if name == "llama.cpp" else vllm_missing()
     if why is not None:
         say(f"  {why}")
         return {"skipped": why}
     n_ctx = max(load.prompt_lens) + max(load.output_lens) + 64
     if name == "vllm":
-        return sweep(vllm_spec(port, threads, max(2048, n_ctx), max_num_seqs, model), port,
-                     threads, load, say)
-    return sweep(llama_cpp_spec(find_smollm2_gguf(), port, threads, max(2048, n_ctx)), port,
-                 threads, load, say)
+        return run(vllm_spec(port, threads, max(2048, n_ctx), max_num_seqs, model))
+    return run(llama_cpp_spec(find_smollm2_gguf(), port, threads, max(2048, n_ctx)))
 
 
 def serve_table(report: dict) -> str:
@@ -492,6 +530,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="minillm's batch (default: the server's)")
     parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    parser.add_argument("--structured", choices=STRUCTURED, default="none",
+                        help="json: every request carries a small JSON schema "
+                             "(structured_outputs; minillm and vllm only) (default: none)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -500,5 +541,5 @@ def main(args: argparse.Namespace) -> int:
 
     report = run_serve_bench(args.model, tuple(args.rates), args.num_requests,
                              tuple(args.peers), args.threads, args.max_num_seqs,
-                             seed=args.seed, say=log_to_stderr)
+                             seed=args.seed, say=log_to_stderr, structured=args.structured)
     return write_report(args, report, serve_table(report), plot_serve)

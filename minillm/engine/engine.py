@@ -26,6 +26,7 @@ from ..model.transformer import Transformer
 from ..sampling import make_generator
 from .config import EngineConfig, make_prefix_cache, pool_sizes
 from .connector import StoreConnector
+from .constraints import ConstraintCompiler
 from .detokenizer import IncrementalDetokenizer
 from .handoff import KVHandoff
 from .intake import validate_request
@@ -83,6 +84,7 @@ class LLMEngine(KVHandoff):
         self.speculator: Speculator | None = None
         if speculator is not None:
             self.use_speculator(speculator)
+        self.constraint_compiler: ConstraintCompiler | None = None
 
     def warmup(self, num_tokens: int = 256) -> float:
         """One throwaway forward pass before serving (see :meth:`ModelRunner.warmup`); returns
@@ -107,6 +109,16 @@ class LLMEngine(KVHandoff):
             raise ValueError("use_speculator must be called before requests are added")
         self.speculator = self.runner.speculator = speculator
 
+    def use_constraint_compiler(self, compiler: ConstraintCompiler) -> None:
+        """Accept requests with ``structured_outputs`` from now on: ``compiler`` turns each
+        one's grammar into a matcher (:mod:`.constraints`; ``minillm.LLM`` and the server
+        install ``minillm.structured``'s)."""
+        if not callable(getattr(compiler, "compile", None)):
+            raise ValueError(f"the constraint compiler must have a compile(spec) method "
+                             f"(minillm.engine.constraints.ConstraintCompiler), got "
+                             f"{type(compiler).__name__}")
+        self.constraint_compiler = compiler
+
     def drafter_blocks(self, max_draft_tokens: int) -> int:
         """Blocks a drafter's own cache needs to follow every sequence this engine can hold
         (on the device or swapped out) plus a draft of ``max_draft_tokens`` each."""
@@ -124,6 +136,8 @@ class LLMEngine(KVHandoff):
         params = params or SamplingParams()
         ids, text = self.validate(prompt, params)
         req = Request(self._new_id(request_id), ids, params, priority, text)
+        if params.structured_outputs is not None:      # validate compiled it: a cache hit
+            req.seqs[0].constraint = self.constraint_compiler.compile(params.structured_outputs)
         self._register(req, arrival_time)
         self.scheduler.add(req)
         return req.request_id

@@ -71,6 +71,9 @@ class KVHandoff:
         ids, _ = self.validate(list(prompt_ids), params)
         if params.n > 1 or params.use_beam_search:
             raise ValueError("add_prefilled takes one sequence: n and beam_width must be 1")
+        if params.structured_outputs is not None:
+            raise ValueError("structured_outputs cannot be combined with add_prefilled: the "
+                             "first token was sampled without the grammar's mask")
         table = self.blocks.tables.get(seq_id)
         if table is None or len(table) < blocks_for(len(ids), self.blocks.block_size):
             raise ValueError(f"seq_id {seq_id} must own blocks for the {len(ids)} prompt tokens")

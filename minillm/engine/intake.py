@@ -28,6 +28,8 @@ def validate_request(engine: LLMEngine, prompt: str | list[int], params: Samplin
     if engine.speculator is not None and params.use_beam_search:
         raise ValueError("beam search (beam_width > 1) cannot be combined with "
                          "speculative decoding: drafts are verified per sequence")
+    if params.structured_outputs is not None:
+        check_structured_outputs(engine, params)
     if params.stop and engine.tokenizer is None:
         raise ValueError("stop strings need a tokenizer; this model has none")
     width = max(params.n, params.beam_width)
@@ -51,3 +53,18 @@ def validate_request(engine: LLMEngine, prompt: str | list[int], params: Samplin
                              f"{engine.config.max_num_batched_tokens}; raise it or set "
                              f"enable_chunked_prefill=True")
     return ids, text
+
+
+def check_structured_outputs(engine: LLMEngine, params: SamplingParams) -> None:
+    """ValueError naming ``structured_outputs`` if ``engine`` cannot honour them for this
+    request: no compiler installed, a speculator (drafts are verified without the grammar's
+    mask), or a grammar the compiler refuses (it compiles it now, before any KV is allocated,
+    and caches it for ``add_request``)."""
+    if engine.constraint_compiler is None:
+        raise ValueError("structured_outputs need a constraint compiler: this engine has none "
+                         "(minillm.LLM and the server install minillm.structured's; or call "
+                         "engine.use_constraint_compiler)")
+    if engine.speculator is not None:
+        raise ValueError("structured_outputs cannot be combined with speculative decoding: "
+                         "drafts are verified without the grammar's mask")
+    engine.constraint_compiler.compile(params.structured_outputs)

@@ -19,6 +19,7 @@ from ..checkpoint.loader import load_model
 from ..config import SamplingParams
 from ..device import resolve_device, serving_dtype
 from .config import EngineConfig
+from .constraints import constraint_compiler_for
 from .engine import LLMEngine
 from .output_processor import OutputProcessor, Prompt
 from .outputs import EngineStats, RequestOutput
@@ -47,6 +48,9 @@ class LLM:
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(**engine_options))
         if speculative_config is not None:   # the builder minillm.spec_decode registers
             self.engine.use_speculator(speculator_for(speculative_config, self.engine))
+        compiler = constraint_compiler_for(self.engine)   # minillm.structured's, if imported
+        if compiler is not None:                          # (structured_outputs)
+            self.engine.use_constraint_compiler(compiler)
         self.output_processor = OutputProcessor(self.engine)   # inboxes, generate, stream
 
     @property

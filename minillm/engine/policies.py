@@ -23,13 +23,17 @@ def append_token(req: Request, seq: Sequence, token: int, eos_token_id: int,
                  max_seq_len: int, logprob: float = 0.0,
                  top: list[tuple[int, float]] | None = None) -> None:
     """Append ``token`` to ``seq`` and set its finish reason if it ends here: "stop" at EOS
-    (unless ``ignore_eos``) or a stop string, "length" at ``max_tokens`` or the window."""
+    (unless ``ignore_eos``), a stop string or the end of its structured-outputs grammar (its
+    constraint advances here, with the token), "length" at ``max_tokens`` or the window."""
+    if seq.constraint is not None:
+        seq.constraint.accept(token)     # the step sampler drew it from the allowed tokens
     seq.token_ids.append(token)
     seq.cumulative_logprob += logprob
     if top is not None:
         seq.logprobs.append({token: logprob, **dict(top)})
     params = req.params
-    if token == eos_token_id and not params.ignore_eos:
+    if token == eos_token_id and not params.ignore_eos or \
+            seq.constraint is not None and seq.constraint.is_terminated():
         seq.finish_reason = "stop"
     elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= max_seq_len:
         seq.finish_reason = "length"
@@ -47,6 +51,8 @@ def copy_seq(parent: Sequence) -> Sequence:
     if parent.detok is not None:     # its own text state, sharing the tokenizer
         tok = parent.detok.tokenizer
         child.detok = copy.deepcopy(parent.detok, {id(tok): tok})
+    if parent.constraint is not None:   # its own grammar state
+        child.constraint = parent.constraint.fork()
     return child
 
 

@@ -18,6 +18,12 @@ touch their generator.
 The reported log-probability of a token is under the model's own distribution,
 ``log_softmax(raw logits)`` (vLLM's default), not the tempered or filtered one.
 
+Structured outputs: a batch's ``allowed`` [R, V] bool mask (True: the row's grammar allows the
+token) sets every other logit to -inf before anything else, greedy rows included, so
+constrained and free rows share one step and a free row's token is what it would be alone. The
+reported log-probabilities stay those of the raw logits (a masked token's is finite, so the
+top-n alternatives may name tokens the grammar did not allow).
+
 Token-for-token equality with the chapter sampler is exact on the CPU (the tests check it). On
 CUDA, PyTorch divides by a Python-float temperature as a multiply by its reciprocal while this
 module divides by a tensor, so the two may differ in a last bit and, very rarely, in a token.
@@ -47,7 +53,9 @@ class SamplingBatch:
     is temperature[i] == 0 (None: read from ``temperature`` once, here), use_filters False
     promises that no sampled row uses top-k or top-p (True is always safe); top_k_only > 0
     promises that every sampled row uses top-k with k <= top_k_only and no top-p (so a top-k
-    selection replaces the full sort; 0 is always safe).
+    selection replaces the full sort; 0 is always safe). allowed: [R, V] bool on the logits'
+    device, or None (no row constrained): True where row i may pick the token (structured
+    outputs, :mod:`.constraints`); an unconstrained row is all True.
     """
 
     temperature: torch.Tensor
@@ -59,6 +67,7 @@ class SamplingBatch:
     greedy: list[bool] | None = None
     use_filters: bool = True
     top_k_only: int = 0
+    allowed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         rows = len(self.generators)
@@ -75,6 +84,12 @@ class SamplingBatch:
         if len(self.greedy) != rows:
             raise ValueError(f"SamplingBatch.greedy must have R = {rows} entries, got "
                              f"{len(self.greedy)}")
+        a = self.allowed
+        if a is not None and not (isinstance(a, torch.Tensor) and a.dtype == torch.bool
+                                  and a.dim() == 2 and a.shape[0] == rows):
+            shape = (a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else type(a).__name__
+            raise ValueError(f"SamplingBatch.allowed must be None or a [R, V] bool tensor with "
+                             f"R = {rows}, got {shape}")
 
     @property
     def num_rows(self) -> int:
@@ -83,8 +98,10 @@ class SamplingBatch:
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams],
                     generators: Sequence[torch.Generator | None],
-                    device: torch.device | str, logprobs: int = 0) -> SamplingBatch:
-        """One row per entry of ``params`` (repeat a request's params for each of its rows).
+                    device: torch.device | str, logprobs: int = 0,
+                    allowed: torch.Tensor | None = None) -> SamplingBatch:
+        """One row per entry of ``params`` (repeat a request's params for each of its rows);
+        ``allowed``: the rows' [R, V] bool mask of structured outputs, or None.
 
         ``logprobs`` is the most top-n alternatives any row wants; a ``logprobs`` attribute on
         a SamplingParams, where it has one, counts too. Beam search rows are refused: they are
@@ -108,7 +125,7 @@ class SamplingBatch:
                                      device=device),
             top_k=torch.tensor(top_k, dtype=torch.long, device=device),
             top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            generators=list(generators), logprobs=max(wanted), greedy=greedy,
+            generators=list(generators), logprobs=max(wanted), greedy=greedy, allowed=allowed,
             chosen_logprobs=logprobs > 0 or any(getattr(p, "logprobs", None) is not None
                                                 for p in params),
             use_filters=any(not g and (k > 0 or p < 1) for g, k, p in zip(greedy, top_k, top_p)),
@@ -221,6 +238,13 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
                              f"{logits.device}")
     if batch.logprobs > vocab:
         raise ValueError(f"logprobs must be in [0, vocab={vocab}], got {batch.logprobs}")
+    raw = logits                                                       # for log-probabilities
+    if batch.allowed is not None:
+        if batch.allowed.shape != logits.shape or batch.allowed.device != logits.device:
+            raise ValueError(f"SamplingBatch.allowed is {tuple(batch.allowed.shape)} on "
+                             f"{batch.allowed.device} but logits {tuple(logits.shape)} on "
+                             f"{logits.device}")
+        logits = logits.masked_fill(~batch.allowed, float("-inf"))     # structured outputs
 
     tokens = logits.argmax(dim=-1)                                     # [R] greedy choice
     if not all(batch.greedy):
@@ -230,7 +254,7 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if not (batch.chosen_logprobs or n):                               # nobody asked: skip
         host = tokens.tolist()                                         # the one sync
         return SamplerOutput(token_ids=host, logprobs=[0.0] * len(host), top=[[]] * len(host))
-    logp = logits.float().log_softmax(dim=-1)                          # [R, V] model's own
+    logp = raw.float().log_softmax(dim=-1)                             # [R, V] model's own
     parts = [tokens[:, None].double(), logp.gather(1, tokens[:, None]).double()]
     if n:
         top = logp.topk(n, dim=-1)

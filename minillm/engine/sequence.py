@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import SamplingParams
 
 if TYPE_CHECKING:
+    from .constraints import Constraint
     from .detokenizer import IncrementalDetokenizer
 
 
@@ -118,6 +119,8 @@ class Sequence:
     delta: str = ""                    # text added since the last output
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, if asked
     draft: Draft | None = None         # speculative tokens at the end of token_ids, unverified
+    constraint: Constraint | None = None   # structured outputs: the grammar's matcher, advanced
+    #                                        with each appended token (.constraints)
 
     @property
     def num_draft(self) -> int:
@@ -154,7 +157,7 @@ class Sequence:
 
     def fork(self) -> Sequence:
         """A copy with a new id (its blocks are forked by the block manager, its detokenizer
-        by the engine)."""
+        and constraint by :func:`~.policies.copy_seq`)."""
         return Sequence(list(self.token_ids), self.prompt_len, num_computed=self.num_computed,
                         cumulative_logprob=self.cumulative_logprob,
                         logprobs=list(self.logprobs))

@@ -4,7 +4,9 @@ written).
 For every sequence whose chunk reached its end, one of:
 - a plain draw: one batched :func:`~.sampler.sample_rows` call for all such rows of the step
   (an n > 1 request's first token: n draws from its one row, the first for the sequence, the
-  rest for the samples it forks into);
+  rest for the samples it forks into); a sequence with a structured-outputs constraint gives
+  its row's allowed tokens (:mod:`.constraints`), the others allow every token, and a drawn
+  token the grammar does not allow fails its request (a sampler that ignored the mask);
 - a verification, for a sequence that carried a draft: the speculator's rule over its rows
   [N + 1, V] (row n: the target after node n) gives the accepted path and the target's own
   next token;
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .constraints import allowed_mask
 from .plan import RunnerOutput, Sample, SchedulerOutput
 from .policies import forks_at_first_token
 from .sampler import (
@@ -78,8 +81,13 @@ class StepSampler:
               out: RunnerOutput) -> None:
         """One batched draw for every row in ``draws`` (a row may appear n times)."""
         rows = [r for _, r, _ in draws]
+        masks = self._masks(draws, logits.shape[-1], out)
+        allowed = None if all(m is None for m in masks) else torch.stack(
+            [torch.ones(logits.shape[-1], dtype=torch.bool) if m is None else m for m in masks]
+        ).to(logits.device, non_blocking=True)
         batch = SamplingBatch.from_params([req.params for _, _, req in draws],
-                                          [req.generator for _, _, req in draws], logits.device)
+                                          [req.generator for _, _, req in draws], logits.device,
+                                          allowed=allowed)
         picked = logits if rows == list(range(len(logits))) else \
             logits[torch.tensor(rows, device=logits.device)]      # (a copy: only if needed)
         drawn = self.sampler(picked, batch)
@@ -91,10 +99,34 @@ class StepSampler:
                 continue
             if req.request_id in out.errors:
                 continue
+            if masks[i] is not None and not masks[i][drawn.token_ids[i]]:
+                out.errors[req.request_id] = (
+                    f"sampler: {_name(self.sampler)} returned token {drawn.token_ids[i]} for row "
+                    f"{i}, which its structured_outputs grammar does not allow")
+                out.samples.pop(s.seq_id, None)
+                continue
             k = req.params.logprobs
             top = [drawn.top[i][:k]] if k else None
             out.samples.setdefault(s.seq_id, []).append(
                 Sample([drawn.token_ids[i]], [drawn.logprobs[i]], top))
+
+    @staticmethod
+    def _masks(draws: list[tuple[Sequence, int, Request]], vocab: int,
+               out: RunnerOutput) -> list[torch.Tensor | None]:
+        """Each draw row's allowed tokens, [vocab] bool on the CPU (None: no constraint); one
+        call per constraint (n draws from one row share it). A constraint that breaks its
+        contract fails its request."""
+        masks: dict[int, torch.Tensor | None] = {}
+        for s, _, req in draws:
+            c = s.constraint
+            if c is None or id(c) in masks:
+                continue
+            try:
+                masks[id(c)] = allowed_mask(c, vocab)
+            except Exception as e:  # a student's matcher, or the library's, failed: this request
+                masks[id(c)] = None
+                out.errors[req.request_id] = f"structured_outputs: {e}"
+        return [None if s.constraint is None else masks[id(s.constraint)] for s, _, _ in draws]
 
     def _verify(self, req: Request, seq: Sequence, logits: torch.Tensor) -> Sample:
         """The accepted path of ``seq``'s draft and the target's next token (``logits``

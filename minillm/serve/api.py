@@ -8,13 +8,21 @@ server-sent events, ``data: {chunk}`` lines and a final ``data: [DONE]``), ``GET
 ``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's, :mod:`.tokenize`),
 ``GET /health`` (503 once the engine loop is gone), ``GET /metrics`` (Prometheus text).
 
+``GET /openapi.json`` describes every route truthfully (:mod:`.schema`): request bodies, 200
+bodies, the event stream, every error status.
+
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
-parameter (named in ``param``) or malformed JSON, 401 without the API key (when one is set; ``/v1``
-and the tokenizer routes need it), 404 for an unknown model or path, 413 for a body over
-``max_body_bytes``, 503 when the server already holds ``max_num_seqs + max_queue`` requests. A
-client that goes away (mid-stream or while waiting) has its request aborted and its KV blocks
-freed. On shutdown (uvicorn's SIGTERM handling: stop accepting, let in-flight responses finish
-within ``timeout_graceful_shutdown``) the lifespan hook aborts what is left and stops the loop.
+parameter (named in ``param``) or a body that is not a JSON object (``code`` "invalid_json" or
+"invalid_body"), 401 without the API key (when one is set; ``/v1`` and the tokenizer routes need
+it), 404 for an unknown model or path, 405 (with ``Allow``) for a known path and another method,
+413 for a body over ``max_body_bytes``, 503 when the server already holds ``max_num_seqs +
+max_queue`` requests. A client that goes away (mid-stream or while waiting) has its request
+aborted and its KV blocks freed. A client that reads slowly never holds the engine: backpressure
+stops at the HTTP response. Its request goes on generating, each output waiting in its job's
+queue (at most ``max_tokens`` per sample, so the buffer is bounded) until uvicorn can send it;
+its KV blocks are freed when it finishes generating, not when the client has read it all. On
+shutdown (uvicorn's SIGTERM handling: stop accepting, let in-flight responses finish within
+``timeout_graceful_shutdown``) the lifespan hook aborts what is left and stops the loop.
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import SamplingParams
+from ..engine.constraints import constraint_compiler_for
 from ..engine.engine import LLMEngine
 from ..engine.outputs import RequestOutput
 from .errors import APIError
@@ -39,6 +48,17 @@ from .loop import EngineLoop, EngineStopped, Job, QueueFull
 from .metrics import CLIENT_CLOSED, CONTENT_TYPE, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, error_location, param_of
 from .responses import ChatRenderer, CompletionRenderer, Renderer
+from .schema import (
+    APIDoc,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    Health,
+    Limits,
+    ModelList,
+    Operation,
+)
 from .tokenize import tokenizer_routes
 
 MAX_BODY_BYTES = 16 << 20
@@ -58,6 +78,8 @@ class Server:
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
+        self.doc = APIDoc(Limits(model_name, engine.config.max_num_seqs,
+                                 engine.model.cfg.vocab_size, api_key is not None))
 
     # ---- reading a request -----------------------------------------------------------------
     def check_key(self, request: Request) -> None:
@@ -68,23 +90,39 @@ class Server:
             raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
                            code="invalid_api_key")
 
+    async def read_bytes(self, request: Request) -> bytes:
+        """The raw body, read no further than ``max_body_bytes`` (413 past it, whether or not
+        the client declared a Content-Length)."""
+        limit = self.max_body_bytes
+        too_big = APIError(413, f"request body over max_body_bytes={limit} bytes")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > limit:
+                raise too_big
+        return bytes(raw)
+
     async def read(self, request: Request, kind: type[Body]) -> Body:
-        """The body as ``kind``, or the APIError that says what is wrong with it."""
-        if int(request.headers.get("content-length") or 0) > self.max_body_bytes:
-            raise APIError(413, f"request body over {self.max_body_bytes} bytes")
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise APIError(413, f"request body over {self.max_body_bytes} bytes")
+        """The body as ``kind``, or the APIError that says what is wrong with it. JSON types
+        are taken strictly, as the OpenAPI document states them ("5" is not an integer, 1 not a
+        boolean)."""
+        raw = await self.read_bytes(request)
         try:
-            data = json.loads(raw)
-        except ValueError as e:
-            raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-        try:
-            body = kind.model_validate(data)
+            body = kind.model_validate_json(raw, strict=True)
         except ValidationError as e:
             first = e.errors()[0]
+            if first["type"] == "json_invalid":
+                what = "an empty body" if not raw.strip() else "malformed JSON"
+                raise APIError(400, f"the request body must be a JSON object; got {what}: "
+                                    f"{first['msg']}", code="invalid_json") from None
             param = error_location(first["loc"], kind)
-            raise APIError(400, f"{param or 'body'}: {first['msg']}", param) from None
+            if param is None:          # the body as a whole: not an object
+                raise APIError(400, f"the request body must be a JSON object: {first['msg']}",
+                               code="invalid_body") from None
+            raise APIError(400, f"{param}: {first['msg']}", param) from None
         model = body.model
         if model != self.model_name and (model is not None or kind.model_fields["model"]
                                           .is_required()):
@@ -95,12 +133,16 @@ class Server:
             raise APIError(400, f"{name} is not supported by this server", name)
         return body
 
-    def invalid(self, e: ValueError, kind: type[BaseModel], prompt_name: str) -> APIError:
-        """A 400 naming the parameter a ValueError is about (a long prompt: its own code)."""
+    def invalid(self, e: ValueError, body: CompletionRequest | ChatCompletionRequest,
+                prompt_name: str) -> APIError:
+        """A 400 naming the parameter a ValueError is about (a long prompt: its own code; a
+        grammar the engine refuses: the field the request gave it in)."""
         message = str(e)
         code = "context_length_exceeded" if "context window" in message else None
-        return APIError(400, message, param_of(message, list(kind.model_fields), prompt_name),
-                        code)
+        param = param_of(message, list(type(body).model_fields), prompt_name)
+        if param == "structured_outputs":
+            param = body.grammar_field() or param
+        return APIError(400, message, param, code)
 
     def params(self, body: CompletionRequest | ChatCompletionRequest,
                prompt_name: str) -> SamplingParams:
@@ -110,14 +152,14 @@ class Server:
         try:
             return body.params()
         except ValueError as e:
-            raise self.invalid(e, type(body), prompt_name) from None
+            raise self.invalid(e, body, prompt_name) from None
 
     # ---- answering -------------------------------------------------------------------------
     async def answer(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      prompts: list[str | list[int]], renderer: Renderer,
                      prompt_name: str) -> Response:
         params = self.params(body, prompt_name)
-        job = await self.submit(prompts, params, type(body), prompt_name)
+        job = await self.submit(prompts, params, body, prompt_name)
         if body.stream:
             return StreamingResponse(self.stream(request, job, renderer),
                                      media_type="text/event-stream")
@@ -131,7 +173,7 @@ class Server:
         return JSONResponse(renderer.response())
 
     async def submit(self, prompts: list[str | list[int]], params: SamplingParams,
-                     kind: type[BaseModel], prompt_name: str) -> Job:
+                     body: CompletionRequest | ChatCompletionRequest, prompt_name: str) -> Job:
         """Hand the prompts to the engine loop and wait for its verdict."""
         try:
             job = self.loop.submit(prompts, params)
@@ -142,7 +184,7 @@ class Server:
         except BaseException as e:
             job.close()
             if isinstance(e, ValueError):
-                raise self.invalid(e, kind, prompt_name) from None
+                raise self.invalid(e, body, prompt_name) from None
             if isinstance(e, EngineStopped):
                 raise APIError(503, str(e)) from None
             raise
@@ -215,6 +257,8 @@ def create_app(engine: LLMEngine, model_name: str, *, api_key: str | None = None
     """The FastAPI app serving ``engine`` as ``model_name``; its lifespan starts and stops the
     engine loop (``app.state.server`` holds the :class:`Server`)."""
     server = Server(engine, model_name, api_key, max_queue, max_body_bytes)
+    if engine.constraint_compiler is None and (compiler := constraint_compiler_for(engine)):
+        engine.use_constraint_compiler(compiler)      # structured outputs (minillm.structured)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -226,19 +270,22 @@ def create_app(engine: LLMEngine, model_name: str, *, api_key: str | None = None
     app.state.server = server
     app.add_middleware(RequestCounter, metrics=server.metrics)
     app.add_exception_handler(APIError, lambda request, e: e.response())
-    app.add_exception_handler(StarletteHTTPException, lambda request, e: APIError(
-        e.status_code, str(e.detail)).response())
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
     app.include_router(v1_routes(server))
     app.include_router(tokenizer_routes(server))
+    app.openapi = lambda: server.doc.document(app)
 
-    @app.get("/health")
+    @app.get("/health", openapi_extra=server.doc.describe(Operation(
+        "200 while the engine loop runs", Health, errors=(503,), auth=False)))
     async def health() -> Response:
         if not server.loop.alive:
             return APIError(503, f"the engine loop is not running: {server.loop.error!r}"
                             ).response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", openapi_extra=server.doc.describe(Operation(
+        "Prometheus metrics (text exposition format)", text="text/plain", auth=False)))
     async def metrics() -> Response:
         return Response(server.metrics.render(server.loop.stats, server.loop.in_flight),
                         media_type=CONTENT_TYPE)
@@ -246,18 +293,37 @@ def create_app(engine: LLMEngine, model_name: str, *, api_key: str | None = None
     return app
 
 
+def http_error(request: Request, e: StarletteHTTPException) -> Response:
+    """Starlette's own errors (404 unknown path, 405 with its ``Allow`` header) in OpenAI's
+    body, their headers kept."""
+    response = APIError(e.status_code, str(e.detail)).response()
+    response.headers.update(e.headers or {})
+    return response
+
+
+def server_error(request: Request, e: Exception) -> Response:
+    """A bug in the server: a 500 in OpenAI's body (the traceback goes to the log)."""
+    return APIError(500, f"internal server error: {type(e).__name__}").response()
+
+
+GENERATION_ERRORS = (400, 404, 413, 503)
+
+
 def v1_routes(server: Server) -> APIRouter:
     """``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (behind the API key)."""
     router = APIRouter(prefix="/v1", dependencies=[Depends(server.check_key)])
     tok = server.engine.tokenizer
 
-    @router.get("/models")
+    @router.get("/models", openapi_extra=server.doc.describe(Operation("The served model",
+                                                                       ModelList)))
     async def models() -> dict[str, Any]:
         card = {"id": server.model_name, "object": "model", "created": server.created,
                 "owned_by": "minillm", "max_model_len": server.engine.model.cfg.max_seq_len}
         return {"object": "list", "data": [card]}
 
-    @router.post("/completions")
+    @router.post("/completions", openapi_extra=server.doc.describe(Operation(
+        "Complete a prompt (or a list of them)", CompletionResponse, CompletionRequest,
+        CompletionChunk, errors=GENERATION_ERRORS)))
     async def completions(request: Request) -> Response:
         body = await server.read(request, CompletionRequest)
         try:
@@ -268,7 +334,9 @@ def v1_routes(server: Server) -> APIRouter:
                                       body.include_usage, echo=body.echo)
         return await server.answer(request, body, prompts, renderer, "prompt")
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", openapi_extra=server.doc.describe(Operation(
+        "Answer a conversation", ChatCompletionResponse, ChatCompletionRequest,
+        ChatCompletionChunk, errors=GENERATION_ERRORS)))
     async def chat(request: Request) -> Response:
         body = await server.read(request, ChatCompletionRequest)
         try:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               404: "invalid_request_error", 413: "invalid_request_error",
+               404: "invalid_request_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 500: "server_error",
                503: "service_unavailable_error"}
 
 

@@ -5,6 +5,13 @@ non-default value (``presence_penalty=0.5``, ``tools=[...]``) is a 400 naming it
 ignored; unknown extra fields are ignored, as OpenAI's own server does with new client fields.
 Bad values are checked by :class:`~minillm.config.SamplingParams` and the engine's ``validate``,
 whose messages name the parameter; :func:`param_of` finds that name for the error body.
+
+Structured outputs come three ways, at most one per request: OpenAI's ``response_format``
+(``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": ...}}``;
+``"text"`` is no constraint), vLLM's ``structured_outputs`` (``{"json" | "regex" | "choice" |
+"grammar" | "json_object": ...}``) and vLLM's older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar``. Each becomes a
+:class:`~minillm.config.StructuredOutputsParams`; the engine compiles it at intake.
 """
 from __future__ import annotations
 
@@ -13,18 +20,56 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..config import SamplingParams
+from ..config import SamplingParams, StructuredOutputsParams
 
 DEFAULT_CHAT_MAX_TOKENS = 512     # the reply may end sooner (EOS) or at the context window
 #: Parameters the engine does not implement -> the values that mean "off" (also None).
 UNSUPPORTED: dict[str, tuple] = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
-    "best_of": (1,), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
-    "response_format": ({"type": "text"},)}
+    "best_of": (1,), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],)}
+#: vLLM's older request fields -> the StructuredOutputsParams field each stands for.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is implied: the
+    output always follows the schema)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: type "text" (no constraint), "json_object" (any JSON
+    object) or "json_schema" (``json_schema.schema``)."""
+
+    type: str
+    json_schema: JSONSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        if self.type not in RESPONSE_FORMAT_TYPES:
+            raise ValueError(f"response_format.type must be one of {list(RESPONSE_FORMAT_TYPES)}"
+                             f", got {self.type!r}")
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        try:
+            return StructuredOutputsParams(json=self.json_schema.schema_)
+        except ValueError as e:
+            raise ValueError(f"response_format.json_schema.schema: {e}") from None
 
 
 class Common(BaseModel):
@@ -41,6 +86,8 @@ class Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False           # vLLM's extension: generate max_tokens whatever comes
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None    # vLLM's extension (its field names)
 
     def unsupported(self) -> str | None:
         """The first unsupported parameter the client set to something other than a default."""
@@ -58,7 +105,40 @@ class Common(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, max_tokens=max_tokens, n=self.n,
             seed=self.seed, stop=stop, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, structured_outputs=self.structured())
+
+    def grammar_field(self) -> str | None:
+        """The request field that carries its grammar (None: no grammar), for error bodies."""
+        extra = self.model_extra or {}
+        fields = [name for name in ("response_format", "structured_outputs")
+                  if getattr(self, name) is not None] + [k for k in GUIDED if extra.get(k)]
+        if fields == ["response_format"] and self.response_format.type == "text":
+            return None
+        return fields[0] if fields else None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's grammar, from whichever of response_format, structured_outputs or
+        the guided_* fields it set (ValueError naming the field if it set two, or a bad one)."""
+        extra = self.model_extra or {}
+        guided = {GUIDED[k]: extra[k] for k in GUIDED if extra.get(k) is not None}
+        fmt = self.response_format.structured() if self.response_format is not None else None
+        given = [name for name, v in (("response_format", fmt), ("structured_outputs",
+                                      self.structured_outputs)) if v is not None]
+        given += [k for k in GUIDED if extra.get(k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} and {given[1]} cannot both be set: structured "
+                             f"outputs take one grammar")
+        if fmt is not None:
+            return fmt
+        fields = self.structured_outputs if self.structured_outputs is not None else guided
+        if not fields:
+            return None
+        known = set(StructuredOutputsParams.__dataclass_fields__)
+        unknown = sorted(k for k, v in fields.items() if k not in known and v is not None)
+        if unknown:
+            raise ValueError(f"structured_outputs.{unknown[0]} is not supported; give one of "
+                             f"{sorted(known)}")
+        return StructuredOutputsParams(**{k: v for k, v in fields.items() if k in known})
 
     @property
     def include_usage(self) -> bool:

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .errors import APIError
 from .protocol import ChatMessage
+from .schema import DetokenizeResponse, Operation, TokenizeResponse, TokenizerInfo
 
 if TYPE_CHECKING:
     from .api import Server
@@ -55,7 +56,8 @@ def tokenizer_routes(server: Server) -> APIRouter:
     tok = server.engine.tokenizer
     window = server.engine.model.cfg.max_seq_len
 
-    @router.get("/tokenizer_info")
+    @router.get("/tokenizer_info", openapi_extra=server.doc.describe(Operation(
+        "The tokenizer (vLLM's route)", TokenizerInfo)))
     async def tokenizer_info() -> dict[str, Any]:
         bos = tok.bos_token_id
         return {"tokenizer_class": "minillm.Tokenizer",
@@ -64,7 +66,9 @@ def tokenizer_routes(server: Server) -> APIRouter:
                 "chat_template": tok.chat_template, "model_max_length": window,
                 "vocab_size": tok.vocab_size}
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", openapi_extra=server.doc.describe(Operation(
+        "Text or a conversation -> token ids", TokenizeResponse, TokenizeRequest,
+        errors=(400, 404, 413))))
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await server.read(request, TokenizeRequest)
         if (body.prompt is None) == (body.messages is None):
@@ -78,7 +82,9 @@ def tokenizer_routes(server: Server) -> APIRouter:
         strs = [tok.id_to_token(i) for i in ids] if body.return_token_strs else None
         return {"tokens": ids, "count": len(ids), "max_model_len": window, "token_strs": strs}
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", openapi_extra=server.doc.describe(Operation(
+        "Token ids -> text", DetokenizeResponse, DetokenizeRequest,
+        errors=(400, 404, 413))))
     async def detokenize(request: Request) -> dict[str, Any]:
         body = await server.read(request, DetokenizeRequest)
         try:
