@@ -2,10 +2,9 @@
 
 - :func:`check_matmul_launches`: matmuls one decode step of a dense decoder launches, counted
   from its layers (separate or fused Q/K/V and gate/up projections, the LM head).
-- :func:`check_pad_to_captured`: the captured CUDA-graph size a batch runs in, compared with
-  :func:`minillm.runtime.pad_to_captured` (including the sizes it must refuse).
 - :func:`check_padding_waste`: the fraction of computed rows that are padding when batches of
-  the given sizes run in the captured graphs, compared with :func:`minillm.runtime.padding_waste`.
+  the given sizes run in the smallest captured graph that holds them (sizes in any order),
+  compared with :func:`minillm.runtime.padding_waste`.
 - :func:`check_static_decode_step` (a build): one decode step over preallocated K/V buffers,
   run as a greedy loop on the model (on CUDA also captured in a CUDA graph and replayed); its
   tokens compared with :func:`minillm.generate.generate`'s, its buffers checked to keep their
@@ -19,6 +18,9 @@
   requests per second, compared with :func:`minillm.serving_metrics.slo_attainment`.
 - :func:`check_poisson_arrivals`: seeded Poisson arrival times, checked by their statistics
   (mean gap 1/rate, exponential spread, first arrival at 0, seeded).
+- :func:`check_token_mask_in_engine` (a build): the tokens an automaton allows next, first on
+  small vocabularies, then as the engine's structured-outputs constraint: its date and choice
+  outputs compared token for token with xgrammar's, each checked against its pattern.
 """
 from __future__ import annotations
 
@@ -36,9 +38,19 @@ import torch
 from ..cache import KVCache
 from ..checkpoint.loader import smollm2_tokenizer
 from ..checkpoint.tokenizer import Tokenizer
+from ..course.a3_structured import (
+    DIGITS,
+    Dfa,
+    DfaCompiler,
+    MaskFn,
+    choice_dfa,
+    sequence_dfa,
+    token_texts,
+    walk_mask,
+)
 from ..engine import EngineConfig, LLMEngine
 from ..model.transformer import Transformer
-from ..runtime import pad_to_captured, padding_waste
+from ..runtime import padding_waste
 from ..serving_metrics import SLO, slo_attainment
 from .common import Result, check
 from .in_engine import assert_same_tokens, demo_model, generate_greedy
@@ -69,51 +81,16 @@ def check_matmul_launches(fn: Callable) -> Result:
 # --- CUDA graphs: padding to a captured size ------------------------------------------------
 
 
-def _pad_cases():
-    rng = random.Random(3)
-    cases = [(1, [1, 2, 4, 8]), (3, [1, 2, 4, 8]), (8, [1, 2, 4, 8]), (5, [8, 4, 2, 1]),
-             (9, [1, 2, 4, 8]), (0, [1, 2]), (7, [16]), (16, [16, 8, 24])]
-    for _ in range(80):
-        sizes = rng.sample(range(1, 65), rng.randint(1, 6))
-        cases.append((rng.randint(1, 70), sizes))
-    return cases
-
-
-def _outcome(fn: Callable, *args):
-    try:
-        return fn(*args)
-    except ValueError:
-        return ValueError
-
-
-def _show(x) -> str:
-    return "ValueError" if x is ValueError else repr(x)
-
-
-def check_pad_to_captured(fn: Callable) -> Result:
-    """``fn(n, sizes)`` -> the smallest captured size in ``sizes`` (any order) that holds a
-    batch of ``n``; ValueError when none does or ``n`` < 1. Compared with the package on
-    seeded cases."""
-    cases = _pad_cases()
-
-    def attempt() -> None:
-        for n, sizes in cases:
-            want = _outcome(pad_to_captured, n, list(sizes))
-            got = _outcome(fn, n, list(sizes))
-            assert got == want, (f"n={n}, sizes={sizes}: expected {_show(want)}, "
-                                 f"got {_show(got)}")
-
-    return check("pad_to_captured", attempt)
-
-
 def check_padding_waste(fn: Callable) -> Result:
     """``fn(batch_sizes, sizes)`` -> the fraction of the rows the graphs compute that are
-    padding (thrown away), over all the decode steps whose batch sizes are given."""
+    padding (thrown away), over all the decode steps whose batch sizes are given; each batch
+    runs in the smallest captured size (``sizes``, in any order) that holds it."""
     rng = random.Random(11)
     cases = [([1, 3, 5], [1, 2, 4, 8]), ([8, 8], [1, 2, 4, 8]), ([1], [1]), ([5, 6, 7], [8]),
-             ([9, 17, 33], [1, 2, 4, 8, 16, 24, 32, 40])]
-    for _ in range(40):
-        sizes = sorted(rng.sample(range(1, 49), rng.randint(1, 6)))
+             ([9, 17, 33], [1, 2, 4, 8, 16, 24, 32, 40]), ([3, 5], [8, 4, 2, 1])]
+    for i in range(40):
+        sizes = rng.sample(range(1, 49), rng.randint(1, 6))       # half of them unsorted
+        sizes = sorted(sizes) if i % 2 else sizes
         cases.append(([rng.randint(1, max(sizes)) for _ in range(rng.randint(1, 12))], sizes))
 
     def attempt() -> None:
@@ -610,7 +587,102 @@ def check_poisson_arrivals(fn: Callable) -> Result:
     return check("poisson_arrivals", attempt)
 
 
-__all__ = ["CAPTURED_CHAT_STREAM", "SERVER_REQUESTS", "check_matmul_launches",
-           "check_pad_to_captured", "check_padding_waste", "check_parse_sse",
+
+
+# --- a token mask from an automaton, in the engine ------------------------------------------
+
+#: The regex of the in-engine check and its automaton, built by hand (a date, ISO 8601).
+DATE_REGEX = "[0-9]{4}-[0-9]{2}-[0-9]{2}"
+DATE_PARTS = [(DIGITS, 4), ("-", 1), (DIGITS, 2), ("-", 1), (DIGITS, 2)]
+CHOICES = ("yes", "no", "maybe")
+
+
+def _mask_cases() -> Iterator[tuple[Dfa, int, list[str], int]]:
+    """Small vocabularies where a plausible shortcut gives another mask: a token checked by its
+    first character only, one that runs past the end of the pattern, an empty token, EOS
+    before the pattern is complete or after it."""
+    texts = ["1", "12", "1-", "-", "-0", "a", "", "2024-", "12345", "<eos>", "0-1", "9"]
+    eos = texts.index("<eos>")
+    date = sequence_dfa(DATE_PARTS)
+    for state in (0, 2, 3, 4, 5, 7, 8, 9, 10):
+        yield date, state, texts, eos
+    words = ["y", "ye", "yes", "yess", "n", "no", "m", "maybe", "<eos>", "", "es", "nope"]
+    choice = choice_dfa(CHOICES)
+    for text in ("", "y", "ye", "yes", "no", "may"):
+        yield choice, choice.walk(0, text), words, words.index("<eos>")
+
+
+def check_token_mask_in_engine(fn: MaskFn, model: Transformer | None = None,
+                               tokenizer: Tokenizer | None = None,
+                               max_tokens: int = 14) -> Result:
+    """``fn(dfa, state, texts, eos_id)`` -> [len(texts)] bool: the tokens allowed next in
+    ``state`` of ``dfa`` (:class:`~minillm.course.a3_structured.Dfa`), first on small
+    vocabularies against :func:`~minillm.course.a3_structured.walk_mask`, then as the
+    engine's constraint: ``model`` (default: the tiny preset, random weights) and
+    ``tokenizer`` (default: SmolLM2's) answer date-regex and choice requests
+    (greedy, and n = 2 sampled with a seed) through :class:`DfaCompiler` over ``fn``, and
+    through xgrammar's compiler of the same regex and choices. Passes when every mask is
+    right, the two engines give the same tokens, every output matches its pattern and ends by
+    the grammar (finish_reason "stop"), and every KV block is free afterwards."""
+    def attempt() -> None:
+        for dfa, state, texts, eos in _mask_cases():
+            got, want = fn(dfa, state, list(texts), eos), walk_mask(dfa, state, texts, eos)
+            assert isinstance(got, torch.Tensor) and got.dtype == torch.bool and \
+                got.shape == want.shape, f"expected a bool tensor of shape {tuple(want.shape)}"
+            bad = (got != want).nonzero().flatten().tolist()
+            assert not bad, (f"state {state}: token {texts[bad[0]]!r} should be "
+                             f"{'allowed' if want[bad[0]] else 'refused'}")
+        _assert_masks_in_engine(fn, model or demo_model(), tokenizer or smollm2_tokenizer(),
+                                max_tokens)
+
+    return check("token_mask", attempt)
+
+
+def _assert_masks_in_engine(fn: MaskFn, model: Transformer, tokenizer: Tokenizer,
+                            max_tokens: int) -> None:
+    import re
+
+    from ..config import SamplingParams, StructuredOutputsParams
+    from ..structured import XGrammarCompiler
+
+    texts = token_texts(tokenizer)
+    regex = StructuredOutputsParams(regex=DATE_REGEX)
+    choice = StructuredOutputsParams(choice=CHOICES)
+    requests = [(tokenizer.encode(p), SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                     structured_outputs=s))
+                for p, s in (("Today's date is", regex), ("The meeting was on", regex),
+                             ("Is the sky blue? Answer:", choice))]
+    requests.append((tokenizer.encode("Pick a date:"), SamplingParams(
+        temperature=1.0, seed=5, n=2, max_tokens=max_tokens, structured_outputs=regex)))
+    outputs = {}
+    for name in ("yours", "xgrammar"):
+        engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64, pack_linears=False))
+        free = engine.stats().blocks_free
+        engine.use_constraint_compiler(
+            DfaCompiler({DATE_REGEX: sequence_dfa(DATE_PARTS)}, texts,
+                        tokenizer.eos_token_id, fn) if name == "yours" else
+            XGrammarCompiler.for_engine(engine))
+        ids = [engine.add_request(p, params) for p, params in requests]
+        done = {}
+        while engine.has_unfinished():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        outputs[name] = [[c for c in done[i].outputs] for i in ids]
+        assert engine.stats().blocks_free == free, f"{name}: KV blocks still held at the end"
+    for (prompt, params), mine, ref in zip(requests, outputs["yours"], outputs["xgrammar"]):
+        spec = params.structured_outputs
+        for m, r in zip(mine, ref):
+            assert m.token_ids == r.token_ids, (
+                f"{spec.kind} request {tokenizer.decode(prompt)!r}: your mask gave "
+                f"{tokenizer.decode(m.token_ids)!r}, xgrammar's {tokenizer.decode(r.token_ids)!r}")
+            text = tokenizer.decode([t for t in m.token_ids if t != tokenizer.eos_token_id])
+            ok = re.fullmatch(DATE_REGEX, text) if spec.regex else text in CHOICES
+            assert ok and m.finish_reason == "stop", (
+                f"{spec.kind} request {tokenizer.decode(prompt)!r}: output {text!r} "
+                f"(finish_reason {m.finish_reason}) does not complete its pattern")
+
+
+__all__ = ["CAPTURED_CHAT_STREAM", "CHOICES", "DATE_REGEX", "SERVER_REQUESTS",
+           "check_matmul_launches", "check_padding_waste", "check_parse_sse",
            "check_parse_sse_on_server", "check_poisson_arrivals", "check_slo_attainment",
-           "check_static_decode_step", "greedy_static", "serving", "static_inputs"]
+           "check_static_decode_step", "check_token_mask_in_engine", "greedy_static", "serving",
+           "static_inputs"]

@@ -8,6 +8,8 @@
   plot_serve`'s TTFT, TPOT and throughput panels plus SLO attainment, for every server that
   ran (skipped ones named in the title).
 - :func:`plot_serving_at`: every server at one request rate (the widget's static copy).
+- :func:`plot_structured`: constrained decoding's costs (ms per step of the model and of each
+  mask) and, token by token, how many tokens the grammar allowed at each step of one output.
 """
 from __future__ import annotations
 
@@ -152,3 +154,31 @@ def plot_serving_at(report: dict, rate: float):
 
 __all__ = ["plot_categories", "plot_runtime", "plot_serving", "plot_serving_at", "ran_servers",
            "runtime_rows"]
+
+
+def plot_structured(step_ms: dict[str, float], allowed: list[int], labels: list[str]):
+    """Left: ms per step of each item of ``step_ms`` (log scale, the value printed on its bar).
+    Right: ``allowed[i]``, how many tokens the grammar allowed before output token ``i``
+    (``labels[i]``, its text); a step that allowed one token was forced."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.6),
+                                      gridspec_kw={"width_ratios": [1, 1.6]})
+    names = list(step_ms)
+    bars = left.barh(names, [step_ms[n] for n in names], color="C0")
+    for bar, n in zip(bars, names):
+        left.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                  f" {step_ms[n]:.3g} ms", va="center", fontsize=8)
+    left.set_xscale("log")
+    left.set_xlim(min(step_ms.values()) / 3, max(step_ms.values()) * 8)
+    left.invert_yaxis()
+    left.set_xlabel("ms per step (log scale)")
+    left.set_title("what one decode step costs", fontsize=10)
+    forced = [a == 1 for a in allowed]
+    right.bar(range(len(allowed)), allowed, color=["C3" if f else "C0" for f in forced])
+    right.set_yscale("log")
+    right.set_xticks(range(len(labels)), [repr(t)[1:-1] for t in labels], rotation=90,
+                     fontsize=7, family="monospace")
+    right.set_ylabel("tokens the grammar allowed")
+    right.set_title(f"one JSON output: {sum(forced)} of {len(allowed)} steps forced "
+                    f"(red: one token allowed)", fontsize=10)
+    fig.tight_layout()
+    return fig

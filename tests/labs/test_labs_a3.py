@@ -23,8 +23,8 @@ from minillm.labs.solutions.a3 import (
     poisson_arrivals,
     slo_attainment,
     static_decode_step,
+    token_mask,
 )
-from minillm.runtime import pad_to_captured as package_pad
 from minillm.runtime import padding_waste as package_waste
 from minillm.workloads import poisson_arrivals as package_arrivals
 
@@ -43,15 +43,43 @@ def first_fit_unsorted(n, sizes):
     raise ValueError(n)
 
 
-def pad_to_largest_when_too_big(n, sizes):
-    """Runs an oversized batch in the largest graph instead of refusing it."""
-    fits = [s for s in sizes if s >= n]
-    return min(fits) if fits else max(sizes)
+def waste_first_fit_unsorted(batch_sizes, sizes):
+    """Each batch in the first captured size that fits, in the given order, not the smallest."""
+    run = sum(first_fit_unsorted(b, sizes) for b in batch_sizes)
+    return (run - sum(batch_sizes)) / run
 
 
 def waste_over_real_rows(batch_sizes, sizes):
     """Padding divided by the real rows, not by the rows computed."""
     return sum(pad_to_captured(b, sizes) - b for b in batch_sizes) / sum(batch_sizes)
+
+
+def mask_first_char_only(dfa, state, texts, eos_id):
+    """Allows a token when its first character is allowed: "2024-" passes after 3 digits."""
+    mask = torch.tensor([bool(t) and dfa.step(state, t[0]) is not None for t in texts])
+    mask[eos_id] = state in dfa.accepting
+    return mask
+
+
+def mask_allows_empty_tokens(dfa, state, texts, eos_id):
+    """An empty text walks nowhere and so "never falls off": control tokens slip through."""
+    mask = torch.tensor([dfa.walk(state, t) is not None for t in texts])
+    mask[eos_id] = state in dfa.accepting
+    return mask
+
+
+def mask_eos_never(dfa, state, texts, eos_id):
+    """Never allows EOS: a finished pattern has nothing left to allow."""
+    mask = token_mask(dfa, state, texts, eos_id)
+    mask[eos_id] = False
+    return mask
+
+
+def mask_eos_anywhere(dfa, state, texts, eos_id):
+    """EOS always allowed: the output may stop half-way through the pattern."""
+    mask = token_mask(dfa, state, texts, eos_id)
+    mask[eos_id] = True
+    return mask
 
 
 class ConcatCache(Cache):
@@ -177,8 +205,7 @@ def rate_as_mean_gap(num_requests, rate, seed):
 
 
 CHECKS = [(a3.check_matmul_launches, matmul_launches, launches_without_lm_head),
-          (a3.check_pad_to_captured, pad_to_captured, first_fit_unsorted),
-          (a3.check_pad_to_captured, pad_to_captured, pad_to_largest_when_too_big),
+          (a3.check_padding_waste, padding_waste, waste_first_fit_unsorted),
           (a3.check_padding_waste, padding_waste, waste_over_real_rows),
           (a3.check_static_decode_step, static_decode_step, step_with(ConcatCache)),
           (a3.check_static_decode_step, static_decode_step, step_with(OneAheadCache)),
@@ -193,18 +220,22 @@ CHECKS = [(a3.check_matmul_launches, matmul_launches, launches_without_lm_head),
           (a3.check_slo_attainment, slo_attainment, attainment_either_slo),
           (a3.check_slo_attainment, slo_attainment, attainment_strict),
           (a3.check_poisson_arrivals, poisson_arrivals, uniform_gaps),
-          (a3.check_poisson_arrivals, poisson_arrivals, rate_as_mean_gap)]
+          (a3.check_poisson_arrivals, poisson_arrivals, rate_as_mean_gap),
+          (a3.check_token_mask_in_engine, token_mask, mask_first_char_only),
+          (a3.check_token_mask_in_engine, token_mask, mask_allows_empty_tokens),
+          (a3.check_token_mask_in_engine, token_mask, mask_eos_never),
+          (a3.check_token_mask_in_engine, token_mask, mask_eos_anywhere)]
 test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = checker_tests(
-    CHECKS, ids=["launches-no-lm-head", "pad-first-fit", "pad-no-refusal", "waste-over-real",
+    CHECKS, ids=["launches-no-lm-head", "waste-first-fit", "waste-over-real",
                  "static-concat", "static-one-ahead", "static-unmasked",
                  "sse-after-done", "sse-usage-chunk", "sse-every-choice", "sse-null-usage-wipes",
                  "server-every-choice", "server-usage-chunk", "server-null-usage-wipes",
                  "attainment-or", "attainment-strict",
-                 "poisson-uniform", "poisson-rate-as-gap"])
+                 "poisson-uniform", "poisson-rate-as-gap", "mask-first-char", "mask-empty",
+                 "mask-eos-never", "mask-eos-anywhere"])
 
 
 def test_package_versions_pass_their_checkers():
-    assert a3.check_pad_to_captured(package_pad).passed is True
     assert a3.check_poisson_arrivals(package_arrivals).passed is True
     assert a3.check_padding_waste(package_waste).passed is True
 

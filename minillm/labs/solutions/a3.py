@@ -86,13 +86,29 @@ def poisson_arrivals(num_requests, rate, seed):
     return out
 
 
+def token_mask(dfa, state, texts, eos_id):
+    allowed = torch.zeros(len(texts), dtype=torch.bool)
+    for t, text in enumerate(texts):
+        if not text:                        # a control token stands for no text
+            continue
+        s = state
+        for char in text:                   # the whole token must walk, not its first char
+            s = dfa.step(s, char)
+            if s is None:
+                break
+        else:
+            allowed[t] = True
+    allowed[eos_id] = state in dfa.accepting   # end only where the pattern may end
+    return allowed
+
+
 KEY = [
     (a3.check_matmul_launches, matmul_launches),
-    (a3.check_pad_to_captured, pad_to_captured),
     (a3.check_padding_waste, padding_waste),
     (a3.check_static_decode_step, static_decode_step),
     (a3.check_parse_sse, parse_sse),
     (a3.check_parse_sse_on_server, parse_sse),
     (a3.check_slo_attainment, slo_attainment),
     (a3.check_poisson_arrivals, poisson_arrivals),
+    (a3.check_token_mask_in_engine, token_mask),
 ]
