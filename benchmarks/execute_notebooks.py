@@ -27,7 +27,7 @@ from minillm.runinfo import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "notebooks.json"
-LIMITS_S = {"full": 300, "fast": 120}
+LIMITS_S = {"full": 300, "fast": 90}
 
 
 def settle(below: float = 1.0, most_s: float = 120.0) -> None:

@@ -32,13 +32,15 @@ def llm():
     return minillm.LLM(MODEL, dtype=torch.float32, max_num_seqs=16)
 
 
-def evaluate(model: str, model_args: str, tasks: list[str]) -> dict:
-    """lm-eval's ``simple_evaluate`` on our task folder, samples kept."""
+def evaluate(model: object, model_args: str, tasks: list[str]) -> dict:
+    """lm-eval's ``simple_evaluate`` of ``model`` (a registered name with ``model_args``, or an
+    lm-eval LM object) on our task folder, samples kept."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
     from test_layout import ROOT
 
-    manager = TaskManager(include_path=str(ROOT / "benchmarks" / "lm_eval"))
+    manager = TaskManager(include_path=str(ROOT / "benchmarks" / "lm_eval"),
+                          include_defaults=False)     # our two tasks: no index of 14k
     return simple_evaluate(model=model, model_args=model_args, tasks=tasks,
                            task_manager=manager, log_samples=True, batch_size=1)
 
@@ -54,7 +56,8 @@ def engine_loglikelihood(llm, context: str, continuation: str) -> float:
     return sum(logprobs[i][whole[i]] for i in range(ctx, len(whole)))
 
 
-def test_lm_eval_through_the_server_equals_the_offline_engine_and_hf(llm, gguf_path):
+def test_lm_eval_through_the_server_equals_the_offline_engine_and_hf(llm, hf_model,
+                                                                     hf_tokenizer):
     with running(create_app(llm.engine, MODEL)) as url:
         ours = evaluate("local-completions",
                         f"model={MODEL},base_url={url}/v1/completions,"
@@ -69,7 +72,11 @@ def test_lm_eval_through_the_server_equals_the_offline_engine_and_hf(llm, gguf_p
             assert got == pytest.approx(want, abs=1e-3), (context, continuation)
     gen = ours["samples"]["minillm_gen"]
     assert len(gen) == 10 and all(isinstance(s["resps"][0][0], str) for s in gen)
-    hf = evaluate("hf", f"pretrained={gguf_path.parent},gguf_file={gguf_path.name},"
-                        f"dtype=float32,device=cpu", ["minillm_mc"])
+    from lm_eval.models.huggingface import HFLM
+
+    # lm-eval's own hf backend over HF's model of the same GGUF file (the session's fixture:
+    # transformers' GGUF loader, fp32), not over ours
+    hf = evaluate(HFLM(pretrained=hf_model, tokenizer=hf_tokenizer, batch_size=1), "",
+                  ["minillm_mc"])
     acc = ours["results"]["minillm_mc"]["acc,none"]
     assert acc == hf["results"]["minillm_mc"]["acc,none"]
