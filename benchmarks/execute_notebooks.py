@@ -6,7 +6,7 @@ Each notebook runs top to bottom in its own kernel, its outputs are written back
 ``--fast``: MINILLM_FAST=1 runs are for timing only and leave the file alone), and one row per
 notebook goes to ``benchmarks/results/notebooks.json`` (merged with the rows already there): wall
 seconds, the load average before and after, the output size, the CPU, the date and the commit.
-A chapter should take at most 5 minutes at full size and 2 under MINILLM_FAST=1 on 2 cores; a
+A chapter should take at most 5 minutes at full size and 90 s under MINILLM_FAST=1 on 2 cores; a
 load average above 1.5 means the machine was not quiet and the timings (and the notebook's
 own measurements) should be taken again.
 """
