@@ -232,6 +232,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:    # torch's seed range
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.beam_width < 1:
             raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
         if self.beam_width > 1 and self.n > self.beam_width:

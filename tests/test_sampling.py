@@ -66,7 +66,8 @@ def test_seeded_sampling_is_reproducible_and_follows_the_distribution():
                                          ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
                                          ({"top_k": -2}, "top_k"),
                                          ({"max_tokens": 0}, "max_tokens"),
-                                         ({"temperature": float("nan")}, "temperature")])
+                                         ({"temperature": float("nan")}, "temperature"),
+                                         ({"seed": 2**64}, "seed"), ({"seed": -2**63 - 1}, "seed")])
 def test_bad_sampling_values_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
