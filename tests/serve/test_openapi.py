@@ -60,7 +60,7 @@ def base(engine):
 @pytest.fixture(scope="module")
 def api(base):
     config = schemathesis.Config.from_dict({
-        "seed": None if SOAK else 20240607,
+        **({} if SOAK else {"seed": 20240607}),      # soak: a random seed, printed on failure
         "headers": {"Authorization": f"Bearer {KEY}"},
         "generation": {"mode": "all", "max-examples": examples(20), "deterministic": not SOAK},
         "checks": {
