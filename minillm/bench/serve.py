@@ -429,7 +429,7 @@ def run_serve_bench(model: str = "smollm2-135m", rates: Sequence[float] = RATES,
                     seed: int = 0, slo_ttft: float = SLO_TTFT_S, slo_tpot: float = SLO_TPOT_S,
                     say: Callable[[str], None] = print, structured: str = "none") -> dict:
     """Run the sweep against every server in ``peers`` (minillm, llama.cpp); the report.
-    ``structured`` "json": every request carries :data:`BENCH_SCHEMA`."""
+    ``structured`` "json": every request carries :func:`bench_schema`."""
     from ..checkpoint.gguf import find_smollm2_gguf
 
     unknown = set(peers) - set(PEERS)

@@ -666,7 +666,7 @@ def _assert_masks_in_engine(fn: MaskFn, model: Transformer, tokenizer: Tokenizer
         done = {}
         while engine.has_unfinished():
             done.update((o.request_id, o) for o in engine.step() if o.finished)
-        outputs[name] = [[c for c in done[i].outputs] for i in ids]
+        outputs[name] = [done[i].outputs for i in ids]
         assert engine.stats().blocks_free == free, f"{name}: KV blocks still held at the end"
     for (prompt, params), mine, ref in zip(requests, outputs["yours"], outputs["xgrammar"]):
         spec = params.structured_outputs

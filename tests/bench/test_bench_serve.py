@@ -117,3 +117,19 @@ def test_each_rate_has_its_own_prompts():
     for prompts in load.prompts.values():     # same lengths at every rate (to a token or two:
         lens = [len(tok.encode(p)) for p in prompts]     # decoded text is re-tokenised)
         assert all(abs(n - m) <= 2 for n, m in zip(lens, load.prompt_lens))
+
+
+def test_the_structured_bench_schema_cannot_close_early():
+    """``--structured json``'s schema (checked by jsonschema) refuses an array shorter than
+    max_tokens, so constrained requests generate as many tokens as plain ones."""
+    import jsonschema
+
+    from minillm.bench.serve import structured_body
+
+    schema = structured_body("json", 3)["structured_outputs"]["json"]
+    jsonschema.validate(["a", "b", "c"], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(["a", "b"], schema)
+    assert structured_body("none", 3) == {}
+    with pytest.raises(ValueError, match="structured"):
+        structured_body("xml", 3)
