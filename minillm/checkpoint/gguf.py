@@ -1,7 +1,8 @@
 """Reading GGUF files, with our own dequantisation of their block formats.
 
-:func:`load_gguf` returns the :class:`~minillm.config.ModelConfig` the file describes, a float32
-state dict in minillm's parameter names (:func:`gguf_name_map`) and the metadata.
+:func:`load_gguf` reads the container with :func:`.gguf_file.read_gguf` and returns the
+:class:`~minillm.config.ModelConfig` the file describes, a float32 state dict in minillm's
+parameter names (:func:`gguf_name_map`) and the metadata.
 
 GGUF block formats (ggml's ``ggml-common.h``), 32 weights per block:
   Q8_0: fp16 scale d, 32 x int8 q                      -> w = d * q            (34 bytes)
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
+from .gguf_file import read_gguf
 
 QK = 32  # weights per quantisation block
 
@@ -44,7 +46,7 @@ BLOCK_BYTES = {"Q8_0": (34, dequantize_q8_0), "Q4_1": (20, dequantize_q4_1)}
 
 def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Raw GGUF tensor data -> float32 tensor of ``shape`` (torch order, rows first)."""
-    if type_name in ("F32", "F16"):  # GGUFReader hands these over as float32/float16 arrays
+    if type_name in ("F32", "F16"):  # read_gguf (and GGUFReader) hand these over as floats
         return torch.from_numpy(np.array(raw)).float().reshape(shape)
     if type_name == "BF16":  # ... but bfloat16 as raw bytes, 2 per weight (numpy has no bfloat16)
         bits = np.array(raw, dtype=np.uint8).view(np.int16)
@@ -81,17 +83,6 @@ def find_smollm2_gguf() -> Path:
     return files[0]
 
 
-def gguf_metadata(reader) -> dict:
-    """All scalar/string/list fields of a GGUFReader as plain Python values."""
-    out = {}
-    for key, field in reader.fields.items():
-        try:
-            out[key] = field.contents()
-        except Exception:  # fields gguf cannot decode are not needed
-            continue
-    return out
-
-
 def config_from_gguf(meta: dict, name: str = "gguf") -> ModelConfig:
     arch = meta["general.architecture"]
     if arch != "llama":
@@ -125,16 +116,13 @@ def gguf_name_map(cfg: ModelConfig) -> dict[str, str]:
 
 def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
     """Read a llama GGUF file -> (config, float32 state dict, metadata)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    meta = gguf_metadata(reader)
+    file = read_gguf(path)
+    meta = file.metadata
     cfg = config_from_gguf(meta, name=Path(path).stem)
     names = gguf_name_map(cfg)
     state = {}
-    for t in reader.tensors:
-        shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists the fastest dim first
-        w = dequantize(t.data, t.tensor_type.name, shape)
+    for t in file.tensors:
+        w = dequantize(t.data, t.type_name, t.shape)
         if t.name.endswith("attn_q.weight"):
             w = unpermute_qk(w, cfg.n_heads)
         elif t.name.endswith("attn_k.weight"):

@@ -1,16 +1,19 @@
 """``load_model``: one entry point for the real model, GGUF files, HF folders and presets."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..config import PRESETS, ModelConfig, get_preset
 from ..device import resolve_device, resolve_dtype
 from ..model.transformer import Transformer
-from .gguf import find_smollm2_gguf, gguf_metadata, load_gguf
+from .gguf import find_smollm2_gguf, load_gguf
+from .gguf_file import read_gguf
 from .safetensors import load_hf_checkpoint
 from .tokenizer import Tokenizer
 
@@ -44,9 +47,7 @@ def _read_gguf(path: str):
 @functools.lru_cache(maxsize=1)
 def smollm2_tokenizer() -> Tokenizer:
     """The real model's tokenizer, read from the GGUF file's metadata (weights not read)."""
-    from gguf import GGUFReader
-
-    return Tokenizer.from_gguf_metadata(gguf_metadata(GGUFReader(str(find_smollm2_gguf()))))
+    return Tokenizer.from_gguf_metadata(read_gguf(find_smollm2_gguf()).metadata)
 
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
@@ -62,8 +63,24 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     return model
 
 
+@contextlib.contextmanager
+def _random_init_skipped():
+    """Within: ``nn.Linear`` and ``nn.Embedding`` allocate their weights without drawing random
+    values (the state dict replaces every tensor right after). Building on the meta device would
+    do the same, but its first use imports torch's meta kernels: 2-3 s in every new process."""
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def _from_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
-    with torch.device("meta"):
+    with _random_init_skipped():
         model = Transformer(cfg)
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_embeddings:

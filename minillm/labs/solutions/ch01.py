@@ -17,12 +17,10 @@ GPT2_SPLIT = regex.compile(
 @functools.lru_cache(maxsize=1)
 def gguf_vocab_and_ranks() -> tuple[dict[str, int], dict[tuple[str, str], int]]:
     """The real model's vocabulary {symbol: id} and merge ranks {(left, right): rank}."""
-    from gguf import GGUFReader
-
     from minillm.checkpoint import find_smollm2_gguf
-    from minillm.checkpoint.gguf import gguf_metadata
+    from minillm.checkpoint.gguf_file import read_gguf
 
-    meta = gguf_metadata(GGUFReader(str(find_smollm2_gguf())))
+    meta = read_gguf(find_smollm2_gguf()).metadata
     vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
     ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(meta["tokenizer.ggml.merges"])}
     return vocab, ranks
