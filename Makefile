@@ -41,8 +41,13 @@ lab: setup
 	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root,) chapters/
 
 # Every unit, parity and notebook test; MINILLM_FAST=1 shrinks notebook sizes for 2 CPU cores.
+# TEST_WORKERS processes (pytest-xdist) share the cores, one torch thread each: most tests and
+# notebooks are bound by Python, not by matrix maths, so two single-threaded workers on two cores
+# finish sooner than one worker with two threads.
+TEST_WORKERS ?= 2
 test: setup
-	MINILLM_FAST=1 $(BIN)/python -m pytest tests --nbmake --nbmake-timeout=1200 chapters -q --durations=25
+	OMP_NUM_THREADS=1 MINILLM_FAST=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal \
+		tests --nbmake --nbmake-timeout=1200 chapters -q --durations=25
 
 test-fast: setup
 	$(BIN)/python -m pytest tests -q -m "not slow"

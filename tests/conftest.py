@@ -1,7 +1,10 @@
 """Shared fixtures: the real model and its independent reference (HF transformers), loaded once."""
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,11 +48,38 @@ def real():
     return minillm.load_model("smollm2-135m", device="cpu", dtype="float32")
 
 
+def hf_conversion(gguf_path: Path) -> Path:
+    """A folder holding HF transformers' own conversion of the GGUF file (its GGUF loader's
+    model, fp32, and tokenizer, written by ``save_pretrained``), made once per file and
+    transformers version in the temporary directory. Converting takes about 25 s; every later
+    test process (the other xdist worker, the next run) loads the folder in about 2 s. The
+    reference stays HF's: the folder holds what its loader produced, nothing of ours."""
+    import transformers
+    from filelock import FileLock
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:"
+                         f"{transformers.__version__}".encode()).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir()) / f"minillm-hf-reference-{key}"
+    with FileLock(f"{folder}.lock"):
+        if not (folder / "done").exists():
+            where = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+            model.config.save_pretrained(folder)  # save_pretrained refuses GGUF-loaded models
+            save_model(model, str(folder / "model.safetensors"))     # (tied weights once)
+            AutoTokenizer.from_pretrained(**where).save_pretrained(folder)
+            (folder / "done").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def hf_tokenizer(gguf_path):
+    """HF transformers' tokenizer of the GGUF file (its GGUF loader's, via ``hf_conversion``)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    return AutoTokenizer.from_pretrained(hf_conversion(gguf_path))
 
 
 @pytest.fixture(scope="session")
@@ -57,8 +87,7 @@ def hf_model(gguf_path):
     """HF transformers' own GGUF loader and Llama implementation, fp32, eager attention."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf_conversion(gguf_path), dtype=torch.float32)
     return model.eval()
 
 
