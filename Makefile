@@ -43,10 +43,11 @@ lab: setup
 # Every unit, parity and notebook test; MINILLM_FAST=1 shrinks notebook sizes for 2 CPU cores.
 # TEST_WORKERS processes (pytest-xdist) share the cores, one torch thread each: most tests and
 # notebooks are bound by Python, not by matrix maths, so two single-threaded workers on two cores
-# finish sooner than one worker with two threads.
+# finish sooner than one worker with two threads. A test file (or a notebook) stays on one worker,
+# so its module fixtures (a graded set of notebooks, a running server) are made once.
 TEST_WORKERS ?= 2
 test: setup
-	OMP_NUM_THREADS=1 MINILLM_FAST=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal \
+	OMP_NUM_THREADS=1 MINILLM_FAST=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope \
 		tests --nbmake --nbmake-timeout=1200 chapters -q --durations=25
 
 test-fast: setup

@@ -85,7 +85,8 @@ def notebooks(tmp_path_factory) -> dict[str, Path]:
         "raises": edited(solved, tmp / "raises.ipynb", lambda s: [
             s[0], "raise RuntimeError('a bug before the definition')\n" + s[1],
             "%precision 3\n" + s[2]]),
-        "loops": edited(solved, tmp / "loops.ipynb", lambda s: s + ["while True:\n    pass"]),
+        "loops": edited(solved, tmp / "loops.ipynb",
+                        lambda s: s + ["import time\nwhile True:\n    time.sleep(0.5)"]),
         "dies": edited(solved, tmp / "dies.ipynb", lambda s: s + ["import os\nos._exit(1)"]),
     }
 

@@ -45,15 +45,16 @@ def evaluate(model: object, model_args: str, tasks: list[str]) -> dict:
                            task_manager=manager, log_samples=True, batch_size=1)
 
 
-def engine_loglikelihood(llm, context: str, continuation: str) -> float:
-    """log P(continuation | context) from the offline engine's prompt logprobs, split as lm-eval
-    splits a pair (the context's tokens, then the rest of the whole's)."""
-    whole = llm.tokenizer.encode(context + continuation)
-    ctx = len(llm.tokenizer.encode(context))
-    out = llm.generate([whole], SamplingParams(temperature=0.0, max_tokens=1,
-                                               prompt_logprobs=0), use_tqdm=False)[0]
-    logprobs = out.prompt_logprobs                   # one {token: logprob} per prompt token
-    return sum(logprobs[i][whole[i]] for i in range(ctx, len(whole)))
+def engine_loglikelihoods(llm, pairs: list[tuple[str, str]]) -> list[float]:
+    """log P(continuation | context) for each (context, continuation) pair, from the offline
+    engine's prompt logprobs in one batched call, each pair split as lm-eval splits it (the
+    context's tokens, then the rest of the whole's)."""
+    wholes = [llm.tokenizer.encode(context + continuation) for context, continuation in pairs]
+    starts = [len(llm.tokenizer.encode(context)) for context, _ in pairs]
+    outs = llm.generate(wholes, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
+                        use_tqdm=False)
+    return [sum(out.prompt_logprobs[i][whole[i]] for i in range(start, len(whole)))
+            for out, whole, start in zip(outs, wholes, starts)]     # one {token: logprob} each
 
 
 def test_lm_eval_through_the_server_equals_the_offline_engine_and_hf(llm, hf_model,
@@ -65,11 +66,10 @@ def test_lm_eval_through_the_server_equals_the_offline_engine_and_hf(llm, hf_mod
                         TASKS)
     samples = ours["samples"]["minillm_mc"]
     assert len(samples) == 20
-    for sample in samples:
-        for (context, continuation), resp in zip(sample["arguments"], sample["resps"]):
-            got = resp[0][0]
-            want = engine_loglikelihood(llm, context, continuation)
-            assert got == pytest.approx(want, abs=1e-3), (context, continuation)
+    pairs = [tuple(pair) for sample in samples for pair in sample["arguments"]]
+    got = [resp[0][0] for sample in samples for resp in sample["resps"]]
+    for pair, g, want in zip(pairs, got, engine_loglikelihoods(llm, pairs), strict=True):
+        assert g == pytest.approx(want, abs=1e-3), pair
     gen = ours["samples"]["minillm_gen"]
     assert len(gen) == 10 and all(isinstance(s["resps"][0][0], str) for s in gen)
     from lm_eval.models.huggingface import HFLM
