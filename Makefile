@@ -44,11 +44,15 @@ lab: setup
 # TEST_WORKERS processes (pytest-xdist) share the cores, one torch thread each: most tests and
 # notebooks are bound by Python, not by matrix maths, so two single-threaded workers on two cores
 # finish sooner than one worker with two threads. A test file (or a notebook) stays on one worker,
-# so its module fixtures (a graded set of notebooks, a running server) are made once.
+# so its module fixtures (a graded set of notebooks, a running server) are made once. The
+# notebooks run after the tests, in new workers: a test worker ends holding several GB, and two of
+# them beside two notebook kernels overflowed 24 GB.
 TEST_WORKERS ?= 2
+PYTEST_PARALLEL := OMP_NUM_THREADS=1 MINILLM_FAST=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) \
+	--dist loadscope -q
 test: setup
-	OMP_NUM_THREADS=1 MINILLM_FAST=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope \
-		tests --nbmake --nbmake-timeout=1200 chapters -q --durations=25
+	$(PYTEST_PARALLEL) tests --durations=25
+	$(PYTEST_PARALLEL) --nbmake --nbmake-timeout=1200 chapters --durations=13
 
 test-fast: setup
 	$(BIN)/python -m pytest tests -q -m "not slow"
