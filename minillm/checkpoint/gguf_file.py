@@ -121,8 +121,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
             raise ValueError(f"{path}: tensor {name} has ggml type {type_id}, unknown to gguf")
         type_name, per_block, block_bytes = types[type_id]
         nbytes = int(np.prod(dims, dtype=np.int64)) // per_block * block_bytes
-        data = np.frombuffer(mm, np.dtype(FLOAT_VIEWS.get(type_name, np.uint8)),
-                             nbytes // np.dtype(FLOAT_VIEWS.get(type_name, np.uint8)).itemsize,
-                             start + offset)
+        dtype = np.dtype(FLOAT_VIEWS.get(type_name, np.uint8))
+        data = np.frombuffer(mm, dtype, nbytes // dtype.itemsize, start + offset)
         tensors.append(GGUFTensor(name, tuple(reversed(dims)), type_name, data))
     return GGUFFile(version, metadata, tensors)
