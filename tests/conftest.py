@@ -50,7 +50,7 @@ def real():
 
 def hf_conversion(gguf_path: Path) -> Path:
     """A folder holding HF transformers' own conversion of the GGUF file (its GGUF loader's
-    model, fp32, and tokenizer, written by ``save_pretrained``), made once per file and
+    model, fp32, as safetensors with its config, and its tokenizer), made once per file and
     transformers version in the temporary directory. Converting takes about 25 s; every later
     test process (the other xdist worker, the next run) loads the folder in about 2 s. The
     reference stays HF's: the folder holds what its loader produced, nothing of ours."""
@@ -84,7 +84,8 @@ def hf_tokenizer(gguf_path):
 
 @pytest.fixture(scope="session")
 def hf_model(gguf_path):
-    """HF transformers' own GGUF loader and Llama implementation, fp32, eager attention."""
+    """HF transformers' own GGUF loader and Llama implementation, fp32 (its default attention,
+    SDPA, as when loading the GGUF file directly)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_conversion(gguf_path), dtype=torch.float32)
