@@ -3,7 +3,7 @@
 The trained drafters fit only the real model (their manifests name it) and the model file does
 not travel to the GPU machine, so this checks the frame, not acceptance:
 
-1. Every method (ngram; draft_model, eagle, mtp, medusa, and dflash, ddtree, dspark on one
+1. Every method (ngram, suffix; draft_model, eagle, mtp, medusa, and dflash, ddtree, dspark on one
    block drafter, all with random drafters) at temperature 0 gives the plain engine's tokens
    exactly, with the Triton backend (tree drafts fall back to sdpa for their step) and every
    block of target and drafter free at the end.
@@ -33,7 +33,7 @@ from minillm.checkpoint import load_model
 from minillm.device import resolve_device, sync
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.runinfo import machine_info
-from minillm.spec_decode.config import BLOCK_METHODS
+from minillm.spec_decode.config import BLOCK_METHODS, MODEL_FREE
 from minillm.spec_decode.drafters import DrafterConfig, DraftHead, build_drafter
 from minillm.spec_decode.speculator import build_speculator
 
@@ -71,7 +71,7 @@ def engine(model, method: str | None, k: int = 4, max_seqs: int = 16,
     eng = LLMEngine(model, None, EngineConfig(max_num_seqs=max_seqs,
                                               num_kv_blocks=max(512, 10 * max_seqs)))
     if method:
-        if drafter is None and method != "ngram":
+        if drafter is None and method not in MODEL_FREE:
             drafter = random_drafter(method, model)
         eng.use_speculator(build_speculator({"method": method, "num_speculative_tokens": k},
                                             eng, drafter=drafter))
@@ -117,7 +117,7 @@ def batch_sweep(model, prompts: list[list[int]], batches, deadline: float) -> di
     skipped = []
     block = random_drafter("dflash", model)                 # built once, shared by the three
     drafters = {m: block if m in BLOCK_METHODS else random_drafter(m, model)
-                for m in ALL_METHODS if m != "ngram"}
+                for m in ALL_METHODS if m not in MODEL_FREE}
     for b in batches:
         for method in (None, *ALL_METHODS):
             label = method or "none"

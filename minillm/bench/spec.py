@@ -17,10 +17,10 @@ a given passage, code edits) and ``free`` writing. Per method:
   assumes a verification pass costs one plain decode step, which ``nodes_per_round`` shows it
   does not for wide trees.)
 
-Part I's methods are :data:`METHODS` (chapter 06); the block drafters of part II
-(:data:`BLOCK_METHODS`, chapter 06b) join them in :data:`ALL_METHODS`. Speculation under load
-(acceptance at equal verification budgets, speedup against a Poisson request rate) is
-:mod:`.spec_load`, run when ``load=True``.
+Part I's methods are :data:`METHODS` (chapter 06); suffix decoding and the block drafters of
+part II (:data:`BLOCK_METHODS`, chapter 06b) join them in :data:`ALL_METHODS`. Speculation
+under load (acceptance at equal verification budgets, speedup against a Poisson request rate)
+is :mod:`.spec_load`, run when ``load=True``.
 """
 from __future__ import annotations
 
@@ -36,14 +36,15 @@ from ..config import SamplingParams
 from ..device import resolve_device, serving_dtype
 from ..engine import EngineConfig, LLMEngine
 from ..runinfo import machine_info
+from ..spec_decode.autotune import acceptance_rate
 from ..spec_decode.config import BLOCK_METHODS, MAX_TOKENS
 from ..spec_decode.prompts import KINDS, benchmark_prompts
 from ..spec_decode.speculator import SpecStats, build_speculator
 from .common import dtype_name, format_table, log_to_stderr, write_report
 
 METHODS = ("ngram", "draft_model", "medusa", "eagle", "mtp")      # part I (chapter 06)
-ALL_METHODS = METHODS + BLOCK_METHODS                               # + dflash, ddtree, dspark
-DEFAULT_K = {"ngram": 6, "draft_model": 4, "medusa": 4, "eagle": 5, "mtp": 3,
+ALL_METHODS = METHODS + ("suffix",) + BLOCK_METHODS   # + suffix decoding, part II's drafters
+DEFAULT_K = {"ngram": 6, "suffix": 8, "draft_model": 4, "medusa": 4, "eagle": 5, "mtp": 3,
              "dflash": 7, "ddtree": 7, "dspark": 7}
 TREE_NODES = 16                  # the trees' node budget (medusa, eagle, ddtree) unless told
 
@@ -127,18 +128,6 @@ def measure(model, tok, method: str | None, k: int, kind: str, prompts: list[lis
                s.acceptance_by_position if s else [], s.mean_accepted if s else 1.0,
                s.propose_seconds if s else 0.0, s.rounds if s else 0,
                s.nodes / s.rounds if s and s.rounds else 0.0)
-
-
-def acceptance_rate(mean_tokens: float, k: int) -> float:
-    """a with (1 - a^(k+1)) / (1 - a) = mean tokens per round (bisection; 0 <= a < 1)."""
-    lo, hi = 0.0, 1.0 - 1e-9
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if (1 - mid ** (k + 1)) / (1 - mid) < mean_tokens:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def expected_speedup(run: Run, base_seconds_per_token: float) -> float:

@@ -7,28 +7,43 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-METHODS = ("draft_model", "ngram", "medusa", "eagle", "mtp", "dflash", "ddtree", "dspark")
+METHODS = ("draft_model", "ngram", "suffix", "medusa", "eagle", "mtp", "dflash", "ddtree",
+           "dspark")
+MODEL_FREE = ("ngram", "suffix")                      # no weights, no training
 BLOCK_METHODS = ("dflash", "ddtree", "dspark")       # one block drafter serves all three
-MAX_TOKENS = {"draft_model": 12, "ngram": 12, "medusa": 8, "eagle": 8, "mtp": 8,
+MAX_TOKENS = {"draft_model": 12, "ngram": 12, "suffix": 16, "medusa": 8, "eagle": 8, "mtp": 8,
               "dflash": 7, "ddtree": 7, "dspark": 7}  # the block drafter's block is 8
 TREE_METHODS = ("medusa", "eagle", "ddtree")
 DEFAULT_THRESHOLD = 0.1
+SUFFIX_OPTIONS = {     # name: (valid?, what it must be)
+    "suffix_decoding_max_tree_depth": (lambda v: isinstance(v, int) and v >= 2, "an int >= 2"),
+    "suffix_decoding_max_spec_factor": (lambda v: v > 0, "> 0"),
+    "suffix_decoding_min_token_prob": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "suffix_decoding_max_cached_tokens": (lambda v: isinstance(v, int) and v >= 0,
+                                          "an int >= 0"),
+}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """method: one of METHODS. num_speculative_tokens: the lookahead k, how many tokens a chain
-    drafts per step, or a tree's depth (at most MAX_TOKENS[method]; Medusa: at most its heads).
+    drafts per step, or a tree's depth (at most MAX_TOKENS[method]; Medusa: at most its heads;
+    suffix: the most nodes of its tree); "auto": chosen by measuring this machine when the
+    engine is built (:mod:`.autotune`).
     prompt_lookup_max / prompt_lookup_min: the n-gram sizes ``ngram`` tries (longest first).
     tree_nodes: the node budget of a tree (medusa, eagle, ddtree); tree_topk: children per
     expanded node (eagle), candidates per depth (ddtree). verify_budget (dspark): draft tokens
     verified per step across the whole batch (None: max(32, max_num_seqs)); at least the
     engine's max_num_seqs. confidence_threshold (dspark): a draft stops at the first token
     whose confidence is below it, in (0, 1) (None: DEFAULT_THRESHOLD). drafter: a weights
-    file to use instead of the packaged one."""
+    file to use instead of the packaged one. suffix_decoding_* (suffix): the tries' longest
+    substring (max_tree_depth), the draft's size at most max_spec_factor times the matched
+    length, its nodes' least score (min_token_prob, in (0, 1]), and the global trie's memory
+    in tokens of recent outputs (max_cached_tokens; 0 turns it off, else at least one request:
+    the model's context)."""
 
     method: str
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | str = 4
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
     tree_nodes: int = 16
@@ -36,15 +51,19 @@ class SpeculativeConfig:
     verify_budget: int | None = None
     confidence_threshold: float | None = None
     drafter: str | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_tokens: int = 1 << 16
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {METHODS}, got "
                              f"{self.method!r}")
         k, top = self.num_speculative_tokens, MAX_TOKENS[self.method]
-        if not isinstance(k, int) or not 1 <= k <= top:
+        if k != "auto" and (not isinstance(k, int) or not 1 <= k <= top):
             raise ValueError(f"speculative_config num_speculative_tokens must be in [1, {top}] "
-                             f"for {self.method}, got {k!r}")
+                             f"for {self.method}, or 'auto', got {k!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= "
                              f"prompt_lookup_max, got {self.prompt_lookup_min}, "
@@ -63,8 +82,19 @@ class SpeculativeConfig:
             if getattr(self, name) is not None and self.method != "dspark":
                 raise ValueError(f"speculative_config {name} is an option of dspark, not of "
                                  f"{self.method}")
-        if self.method == "ngram" and self.drafter is not None:
-            raise ValueError("speculative_config drafter: ngram has no weights")
+        if self.method in MODEL_FREE and self.drafter is not None:
+            raise ValueError(f"speculative_config drafter: {self.method} has no weights")
+        self._check_suffix()
+
+    def _check_suffix(self) -> None:
+        for name, (valid, must) in SUFFIX_OPTIONS.items():
+            value = getattr(self, name)
+            if value != SpeculativeConfig.__dataclass_fields__[name].default \
+                    and self.method != "suffix":
+                raise ValueError(f"speculative_config {name} is an option of suffix, not of "
+                                 f"{self.method}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
+                raise ValueError(f"speculative_config {name} must be {must}, got {value!r}")
 
     @classmethod
     def from_dict(cls, options: dict | SpeculativeConfig) -> SpeculativeConfig:

@@ -7,7 +7,7 @@ with counters of what was proposed and accepted at each draft position.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -16,10 +16,13 @@ from ..engine.engine import LLMEngine
 from ..engine.plan import RunnerOutput, SchedulerOutput, StepUpdate
 from ..engine.sampler import SamplingBatch, filtered_probs
 from ..engine.sequence import Draft, Sequence
+from .autotune import CALIBRATION_PROMPTS, Calibration, calibrate
 from .blocks import BlockProposer
-from .config import BLOCK_METHODS, SpeculativeConfig
+from .config import BLOCK_METHODS, MAX_TOKENS, MODEL_FREE, SpeculativeConfig
 from .inputs import spec_inputs
+from .prompts import training_prompts
 from .proposers import DraftModelProposer, FeatureProposer, MedusaProposer, NgramProposer
+from .suffix import SuffixProposer
 from .verify import greedy_tree_accept, rejection_accept, tree_accept
 from .weights import load_drafter
 
@@ -69,6 +72,8 @@ class DraftAndVerify:
         self.hidden_layers = proposer.hidden_layers
         self.max_draft_tokens = proposer.max_nodes
         self.stats = SpecStats()
+        self.calibration: Calibration | None = None   # set when k was "auto"
+        self.drafting = True                           # False: propose nothing (plain decoding)
 
     def propose(self, plan: SchedulerOutput, out: RunnerOutput, done: StepUpdate
                 ) -> dict[int, Draft]:
@@ -76,7 +81,7 @@ class DraftAndVerify:
         share their parent's drafter state (``proposer.fork``)."""
         for child, parent in done.forked.items():
             self.proposer.fork(parent, child)
-        inputs = spec_inputs(plan, out, done, self.max_seq_len)
+        inputs = spec_inputs(plan, out, done, self.max_seq_len) if self.drafting else []
         if not inputs:
             return {}
         start = time.perf_counter()
@@ -117,11 +122,18 @@ class DraftAndVerify:
 
 
 def build_speculator(options: dict | SpeculativeConfig, engine: LLMEngine,
-                     drafter=None) -> DraftAndVerify:
+                     drafter=None, calibration_prompts: list[list[int]] | None = None
+                     ) -> DraftAndVerify:
     """The speculator for ``options`` (a speculative_config dict) on ``engine``'s model; a
     drafter with a cache gets room to follow every sequence the engine can hold. ``drafter``:
-    (module, head, manifest) to use instead of the packaged weights (tests)."""
+    (module, head, manifest) to use instead of the packaged weights (tests).
+    num_speculative_tokens="auto" first measures the method on ``engine`` (which must have no
+    requests) with ``calibration_prompts`` (token ids; default: a few training prompts in the
+    engine tokenizer's chat template) and keeps the k of the best predicted speedup, or turns
+    drafting off when no k pays; the measurement is the speculator's ``calibration``."""
     cfg = SpeculativeConfig.from_dict(options)
+    if cfg.num_speculative_tokens == "auto":
+        return auto_speculator(cfg, engine, drafter, calibration_prompts)
     k, model = cfg.num_speculative_tokens, engine.model
     window = model.cfg.max_seq_len
     num_blocks = engine.drafter_blocks(cfg.max_draft_tokens)
@@ -129,6 +141,8 @@ def build_speculator(options: dict | SpeculativeConfig, engine: LLMEngine,
     if cfg.method == "ngram":
         return DraftAndVerify(cfg, window,
                               NgramProposer(k, cfg.prompt_lookup_max, cfg.prompt_lookup_min))
+    if cfg.method == "suffix":
+        return DraftAndVerify(cfg, window, suffix_proposer(cfg, window))
     if cfg.method in BLOCK_METHODS:
         return DraftAndVerify(cfg, window, block_proposer(cfg, engine, drafter))
     module, head, manifest = drafter or load_drafter(cfg.method, model, cfg.drafter)
@@ -164,3 +178,47 @@ def block_proposer(cfg: SpeculativeConfig, engine: LLMEngine, drafter=None) -> B
     return BlockProposer(module, head, engine.model.embed, cfg.method,
                          cfg.num_speculative_tokens, blocks, engine.blocks.block_size,
                          cfg.tree_nodes, cfg.tree_topk, budget, cfg.threshold)
+
+
+def suffix_proposer(cfg: SpeculativeConfig, max_seq_len: int) -> SuffixProposer:
+    """Suffix decoding; its global trie must hold at least one whole request (or be off)."""
+    cap = cfg.suffix_decoding_max_cached_tokens
+    if 0 < cap < max_seq_len:
+        raise ValueError(f"speculative_config suffix_decoding_max_cached_tokens ({cap}) must "
+                         f"hold at least one request, the model's context of {max_seq_len} "
+                         f"tokens (or be 0 to keep no outputs)")
+    return SuffixProposer(cfg.num_speculative_tokens, cfg.suffix_decoding_max_tree_depth,
+                          cfg.suffix_decoding_max_spec_factor,
+                          cfg.suffix_decoding_min_token_prob, cap)
+
+
+def auto_speculator(cfg: SpeculativeConfig, engine: LLMEngine, drafter=None,
+                    prompts: list[list[int]] | None = None) -> DraftAndVerify:
+    """The speculator at the k that :func:`.autotune.calibrate` measures best on ``engine``."""
+    drafter = drafter if drafter is not None or cfg.method in MODEL_FREE else \
+        load_drafter("dflash" if cfg.method in BLOCK_METHODS else cfg.method, engine.model,
+                     cfg.drafter)
+    top = MAX_TOKENS[cfg.method]
+    if cfg.method == "medusa":
+        top = min(top, len(drafter[0].heads))
+    if prompts is None:
+        prompts = calibration_prompts(engine)
+
+    def build(k: int) -> DraftAndVerify:
+        return build_speculator(replace(cfg, num_speculative_tokens=k), engine, drafter)
+
+    calibration = calibrate(engine, cfg.method, top, build, prompts)
+    spec = build(calibration.best_k)
+    spec.calibration, spec.drafting = calibration, calibration.pays
+    return spec
+
+
+def calibration_prompts(engine: LLMEngine) -> list[list[int]]:
+    """A few training prompts (all kinds) in the engine tokenizer's chat template."""
+    tok = engine.tokenizer
+    if tok is None:
+        raise ValueError("speculative_config num_speculative_tokens='auto' measures on chat "
+                         "prompts: the engine needs a tokenizer (or pass calibration_prompts)")
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": m}],
+                                               add_generation_prompt=True))
+            for _, m in training_prompts(CALIBRATION_PROMPTS, seed=1)]

@@ -1,0 +1,77 @@
+"""num_speculative_tokens="auto": the predicted speedup is Leviathan's formula when its
+assumptions hold, the chosen k is the best predicted one, and calibrating leaves the engine as
+it was and serves the target's tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_checks import assert_all_free, prompts_of, run_all, sharp_model
+from test_spec_engine import random_drafter, repetitive
+
+from minillm import SamplingParams
+from minillm.engine import EngineConfig, LLMEngine
+from minillm.spec_decode import build_speculator
+from minillm.spec_decode.autotune import Calibration, acceptance_rate
+
+
+@pytest.mark.parametrize("a, c", [(0.8, 0.05), (0.6, 0.2), (0.3, 0.5)])
+def test_prediction_is_leviathans_formula_under_its_assumptions(a, c):
+    """Acceptance a at every depth, a drafter of c target steps per drafted token, and a
+    verification that costs one step: Leviathan et al.'s (1 - a^(k+1)) / ((1 - a)(1 + k c))."""
+    K, t1 = 8, 0.02
+    cal = Calibration("draft_model", K, plain_s=t1, step_s=t1 + K * c * t1, draft_s=K * c * t1,
+                      reached=[a ** (i + 1) for i in range(K)], nodes=[1.0] * K, per_depth=True)
+    for k in range(1, K + 1):
+        assert cal.speedup(k) == pytest.approx((1 - a ** (k + 1)) / ((1 - a) * (1 + k * c)))
+    best = max(range(1, K + 1), key=lambda k: (1 - a ** (k + 1)) / ((1 - a) * (1 + k * c)))
+    assert cal.best_k == best
+    assert acceptance_rate(cal.tokens(K), K) == pytest.approx(a, abs=1e-6)
+
+
+def test_a_costly_verification_shortens_k():
+    """Same acceptance, but verifying costs 1.5 steps more at K: a smaller k pays more."""
+    reached = [0.7 ** (i + 1) for i in range(8)]
+    cheap = Calibration("ngram", 8, 0.02, 0.02, 0.0, reached, [1.0] * 8, per_depth=False)
+    dear = Calibration("ngram", 8, 0.02, 0.05, 0.0, reached, [1.0] * 8, per_depth=False)
+    assert dear.best_k < cheap.best_k == 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sharp_model(torch.float32, max_seq_len=512)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_auto_keeps_the_best_measured_k_and_serves_the_targets_tokens(model, method):
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=256, block_size=4, max_num_seqs=4))
+    prompts = repetitive(4, seed=3)
+    drafter = random_drafter(method, model) if method != "ngram" else None
+    spec = build_speculator({"method": method, "num_speculative_tokens": "auto"}, engine,
+                            drafter=drafter, calibration_prompts=prompts)
+    cal = spec.calibration
+    assert spec.config.num_speculative_tokens == cal.best_k
+    assert cal.speedup(cal.best_k) == max(cal.speedup(k) for k in range(1, cal.max_k + 1))
+    assert cal.plain_s > 0 and cal.step_s > cal.draft_s > 0
+    if method == "ngram":                    # repeated phrases: prompt lookup is accepted
+        assert sum(cal.reached) > 0.5
+        assert spec.drafting == cal.pays
+    else:                                    # a random drafter is not: no k pays, no drafts
+        assert sum(cal.reached) < 0.1 and cal.best_k == 1
+        assert not cal.pays and not spec.drafting
+    assert not engine.requests and not engine.trace and engine.speculator is None
+    assert_all_free(engine)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    others = prompts_of([9, 14], seed=5)
+    plain = run_all(LLMEngine(model, None, EngineConfig(num_kv_blocks=256, block_size=4,
+                                                        max_num_seqs=4)), others, greedy)
+    engine.use_speculator(spec)
+    got = run_all(engine, others, greedy)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert_all_free(engine)
+    assert (engine.speculator.stats.rounds > 0) == spec.drafting
+
+
+def test_auto_without_a_tokenizer_or_prompts_names_the_option(model):
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_seqs=4))
+    with pytest.raises(ValueError, match="num_speculative_tokens='auto' .* needs a tokenizer"):
+        build_speculator({"method": "ngram", "num_speculative_tokens": "auto"}, engine)
