@@ -255,13 +255,16 @@ def sdpa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: PagedMetadata) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D] (see the module docstring)."""
-    return _attend_groups_and_singles(q, k, v, k_cache, v_cache, meta, torch.empty_like(q))
+    return attend_groups_and_singles(q, k, v, k_cache, v_cache, meta, torch.empty_like(q))
 
 
-def _attend_groups_and_singles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               meta: PagedMetadata, out: torch.Tensor) -> torch.Tensor:
-    """Write the rows of ``meta.groups`` and ``meta.singles`` into ``out`` [N, Hq, D]."""
+def attend_groups_and_singles(q: torch.Tensor, k: torch.Tensor | None,
+                              v: torch.Tensor | None, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, meta: PagedMetadata, out: torch.Tensor
+                              ) -> torch.Tensor:
+    """Write the rows of ``meta.groups`` and ``meta.singles`` into ``out`` [N, Hq, D]. ``k``,
+    ``v`` (the new tokens' [N, Hkv, D]) are read only for a single without cached context;
+    None when there is none."""
     for g in meta.groups:
         out[g.start:g.end] = _attend_group(q, k_cache, v_cache, g)
     for i in meta.singles:
@@ -329,7 +332,7 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if meta.direct is not None and meta.direct.numel():
         kernel.attend_in_place(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                meta.cu_seqlens_q, meta.direct, out)
-    return _attend_groups_and_singles(q, k, v, k_cache, v_cache, meta, out)
+    return attend_groups_and_singles(q, k, v, k_cache, v_cache, meta, out)
 
 
 PagedAttentionFn = Callable[..., torch.Tensor]

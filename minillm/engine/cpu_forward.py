@@ -22,10 +22,12 @@ after some tokens, as it does between batch sizes (``tests/engine/test_cpu_forwa
 close to a float64 forward as the eager path, float32 within 1e-5 of it, the same greedy
 float32 text).
 :func:`supports` says when it applies: a dense Llama-family model (no QK-norm, no experts) on
-the CPU with the C++ kernels built; the runner also requires the ``cpu`` backend (not wrapped)
-and no tree masks (every other case takes the eager path). Like a compiled graph, it runs no
-``nn.Module`` hooks: to hook the layers, turn it off (``EngineConfig(fuse_ops=False)``). The KV
-connector's per-layer calls run here as in the eager path.
+the CPU with the C++ kernels built; the runner also requires the ``cpu`` backend (not wrapped;
+every other case takes the eager path). A speculative step's tree drafts are attended with
+their masks by SDPA, beside the kernel's sequences, inside the same fused layers. Like a
+compiled graph, it runs no ``nn.Module`` hooks: to hook the layers, turn it off
+(``EngineConfig(fuse_ops=False)``). The KV connector's per-layer calls run here as in the
+eager path.
 ``python benchmarks/cpu_forward_bench.py`` measures it.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ from collections.abc import Callable, Collection
 import torch
 from torch import nn
 
+from ..attention.paged import attend_groups_and_singles
 from ..cache.pool import PagedBatch
 from ..model.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
 from ..model.packed import PackedGroup, PackedLinear, can_pack_linears
@@ -165,8 +168,9 @@ class CpuForward:
         [N, D], {layer: residual stream after it [N, D]} for the layers in ``keep``); stores
         each layer's K/V at ``batch.meta.slot_mapping`` of ``batch.pool``, calling
         ``before_layer(i)`` / ``after_layer(i)`` around layer i as ``forward_layers`` does.
-        Call after :meth:`applies`; every sequence of ``batch.meta`` must be in
-        ``meta.direct``."""
+        Call after :meth:`applies`, with metadata built with ``direct=True``: the sequences
+        of ``meta.direct`` go to the paged kernel, the tree-masked ones (which have cached
+        context) to SDPA in padded groups."""
         fused, attention = _kernels()
         model, meta, pool = self.model, batch.meta, batch.pool
         cfg, dt = model.cfg, model.dtype
@@ -187,8 +191,11 @@ class CpuForward:
             q_rot = fused.rope_store_into(q, k, v, cos, sin, pool.k[i], pool.v[i],
                                           meta.slot_mapping, torch.empty(n, hq, hd, dtype=dt))
             out = torch.empty_like(q_rot)
-            attention.attend_in_place(q_rot, pool.k[i], pool.v[i], meta.block_tables,
-                                      meta.seq_lens, meta.cu_seqlens_q, meta.direct, out)
+            if meta.direct.numel():
+                attention.attend_in_place(q_rot, pool.k[i], pool.v[i], meta.block_tables,
+                                          meta.seq_lens, meta.cu_seqlens_q, meta.direct, out)
+            if meta.has_masks:                 # tree drafts: SDPA with their masks
+                attend_groups_and_singles(q_rot, None, None, pool.k[i], pool.v[i], meta, out)
             delta = o(out.view(n, -1))
             gate, up = gate_up(norm(delta, layer.ffn_norm)).chunk(2, dim=1)
             delta = down(fused.silu_mul_into(gate, up, torch.empty(n, gate.shape[1], dtype=dt)))

@@ -134,12 +134,13 @@ class ModelRunner:
     def fused_path(self, meta, layers: Collection[int]) -> bool:
         """Whether this step runs :class:`~.cpu_forward.CpuForward` (the C++ small ops): when
         ``fuse_ops`` allows, it supports the model (:func:`~.cpu_forward.supports`), every
-        sequence goes to the paged kernel (no tree masks), and ``self.attn`` declares
+        sequence goes to the paged kernel or is a tree draft after cached context (SDPA with
+        its mask reads only the cache), and ``self.attn`` declares
         ``cpu_fast_path`` (the C++ kernel's own backend does; one that records its inputs, as
         chapter 04's does, says False and is called eagerly)."""
         return self.fuse_ops and self.attn.cpu_fast_path \
             and meta.direct is not None \
-            and meta.direct.numel() == len(meta.q_lens) \
+            and all(meta.ctx_lens[i] for i in meta.singles) \
             and all(0 <= i < self.model.cfg.n_layers for i in layers) \
             and self.cpu_forward.applies()
 

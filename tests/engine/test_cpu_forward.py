@@ -10,6 +10,7 @@ import torch
 from minillm.attention.paged import build_metadata, get_paged_backend
 from minillm.cache.pool import PagedBatch, PagedKVPool
 from minillm.engine import EngineConfig, LLMEngine, cpu_forward
+from minillm.engine.sequence import Draft
 from minillm.model.packed import can_pack_linears, pack_linears
 from minillm.sampling import SamplingParams
 
@@ -21,6 +22,10 @@ pytestmark = pytest.mark.skipif(
 # new prompt (sequence: cached, new tokens)
 STEPS = [[(0, 40), (0, 7)], [(40, 1), (7, 5), (0, 3)]]
 TABLES = [[0, 1, 2], [3], [4]]
+# then a verification step: sequence 0 a tree draft (its last token and 4 nodes, two under the
+# root and two under the first), sequence 1 a chain of 2
+TREE = Draft([11, 12, 13, 14], [0, 0, 1, 1])
+TREE_STEP = [(41, 5), (12, 3)]
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +38,24 @@ def models(real):
     return out
 
 
-def run_steps(model, fused: bool, keep=(3, 29)):
-    """Both steps through one forward or the other (float64: the eager one with SDPA): the
-    second step's final hidden states [N, D] and kept layers {layer: [N, D]}, and the pool."""
+def run_steps(model, fused: bool, keep=(3, 29), tree: bool = False):
+    """The steps through one forward or the other (float64: the eager one with SDPA): the
+    last step's final hidden states [N, D] and kept layers {layer: [N, D]}, and the pool.
+    ``tree``: then the verification step with a tree mask."""
     cfg = model.cfg
     pool = PagedKVPool(cfg, 8, 16, model.device, model.dtype)
     backend = "sdpa" if model.dtype == torch.float64 else "cpu"
     g = torch.Generator().manual_seed(0)
-    for step in STEPS:
+    mask, tree_pos = TREE.tree_inputs(TREE_STEP[0][0])
+    for step in STEPS + ([TREE_STEP] if tree else []):
         tables = TABLES[:len(step)]
+        masks = [torch.tensor(mask), None] if step is TREE_STEP else None
         meta = build_metadata(tables, [c for c, _ in step], [n for _, n in step], 16,
-                              model.device, q_per_kv=cfg.n_heads // cfg.n_kv_heads,
+                              model.device, masks, q_per_kv=cfg.n_heads // cfg.n_kv_heads,
                               direct=backend == "cpu")
         ids = torch.randint(0, cfg.vocab_size, (sum(n for _, n in step),), generator=g)
-        pos = torch.cat([torch.arange(c, c + n) for c, n in step])
+        pos = torch.cat([torch.tensor(tree_pos) if step is TREE_STEP and i == 0 else
+                         torch.arange(c, c + n) for i, (c, n) in enumerate(step)])
         batch = PagedBatch(pool, meta, get_paged_backend(backend))
         with torch.inference_mode():
             if fused:
@@ -64,13 +73,15 @@ BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     reason="oneDNN has no bf16 kernels for this CPU (the fast path does not apply)"))
 
 
+@pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-def test_fast_path_is_as_close_to_float64_as_the_eager_forward(models, dtype):
+def test_fast_path_is_as_close_to_float64_as_the_eager_forward(models, dtype, tree):
     """The ops round like the eager ones but sum in another order, so an ulp here and there
     moves: the fast path's hidden states, kept layers and cached K/V must be no further from
-    the float64 forward's than the eager path's (and float32's close to them)."""
-    exact, exact_kept, exact_pool = run_steps(models[torch.float64], fused=False)
-    runs = {fused: run_steps(models[dtype], fused) for fused in (False, True)}
+    the float64 forward's than the eager path's (and float32's close to them); also for a
+    step that verifies a tree draft beside a chain."""
+    exact, exact_kept, exact_pool = run_steps(models[torch.float64], False, tree=tree)
+    runs = {fused: run_steps(models[dtype], fused, tree=tree) for fused in (False, True)}
 
     def error(got, want):
         return (got.double() - want).abs().mean().item()
