@@ -32,7 +32,7 @@ from statistics import median
 from ..config import SamplingParams
 from ..engine.engine import LLMEngine
 
-PER_DEPTH = ("draft_model", "eagle", "mtp")     # the drafter runs once per drafted depth
+PER_DEPTH = ("draft_model", "eagle", "eagle3", "mtp")     # the drafter runs once per drafted depth
 CALIBRATION_PROMPTS = 4
 CALIBRATION_TOKENS = 32
 

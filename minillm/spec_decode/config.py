@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-METHODS = ("draft_model", "ngram", "suffix", "medusa", "eagle", "mtp", "dflash", "ddtree",
-           "dspark")
+METHODS = ("draft_model", "ngram", "suffix", "medusa", "eagle", "eagle3", "mtp", "dflash",
+           "ddtree", "dspark")
 MODEL_FREE = ("ngram", "suffix")                      # no weights, no training
 BLOCK_METHODS = ("dflash", "ddtree", "dspark")       # one block drafter serves all three
-MAX_TOKENS = {"draft_model": 12, "ngram": 12, "suffix": 16, "medusa": 8, "eagle": 8, "mtp": 8,
-              "dflash": 7, "ddtree": 7, "dspark": 7}  # the block drafter's block is 8
-TREE_METHODS = ("medusa", "eagle", "ddtree")
+MAX_TOKENS = {"draft_model": 12, "ngram": 12, "suffix": 16, "medusa": 8, "eagle": 8,
+              "eagle3": 8, "mtp": 8, "dflash": 7, "ddtree": 7,
+              "dspark": 7}                         # the block drafter's block is 8
+TREE_METHODS = ("medusa", "eagle", "eagle3", "ddtree")
 DEFAULT_THRESHOLD = 0.1
 SUFFIX_OPTIONS = {     # name: (valid?, what it must be)
     "suffix_decoding_max_tree_depth": (lambda v: isinstance(v, int) and v >= 2, "an int >= 2"),

@@ -11,12 +11,15 @@ is zero elsewhere is still a valid proposal.
 
 - :class:`DraftLM` (``draft_model``): a small Llama (its own layers, the target's embedding),
   a language model in its own right; it keeps its own KV cache.
-- :class:`FeatureDrafter` (``eagle``, ``mtp``): one decoder block over the target's last
-  hidden state h_t joined with the embedding of the next token x_{t+1}; its output f_t is a
-  guess of h_{t+1} and goes through the head to propose x_{t+2}. EAGLE (Li et al. 2024) joins
+- :class:`FeatureDrafter` (``eagle``, ``eagle3``, ``mtp``): one decoder block over the target's
+  last hidden state h_t joined with the embedding of the next token x_{t+1}; its output f_t is
+  a guess of h_{t+1} and goes through the head to propose x_{t+2}. EAGLE (Li et al. 2024) joins
   them with one linear layer and trains f_t to regress h_{t+1} as well; DeepSeek-V3's MTP
   module (2024) normalises both inputs first (RMSNorm each, then the projection) and trains with
-  cross-entropy only, chained for depth.
+  cross-entropy only, chained for depth. EAGLE-3 (Li et al. 2025) reads, instead of h_t, the
+  target's states after a low, a middle and a high layer fused by one linear layer (``fuse``),
+  normalises both inputs like MTP, and trains with cross-entropy only, on its own outputs at
+  every later step (training-time test, :mod:`.training.eagle3`).
 - :class:`MedusaHeads` (``medusa``): K residual heads on the target's last hidden state, head i
   proposing the token i + 1 places after the next (Cai et al. 2024); no cache, no recurrence.
 - :class:`BlockDrafter` (``dflash``, also serving ``ddtree`` and ``dspark``): DFlash's block
@@ -39,7 +42,7 @@ from ..config import ModelConfig
 from ..model.layers import RMSNorm, rope_cos_sin
 from ..model.transformer import Block, Transformer, _heads_axis
 
-METHODS = ("draft_model", "eagle", "mtp", "medusa", "dflash")
+METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "dflash")
 OOV = -1                     # a target token outside the draft vocabulary
 
 
@@ -69,6 +72,8 @@ class DrafterConfig:
         object.__setattr__(self, "target_layers", tuple(self.target_layers))
         if self.method == "dflash" and (not self.target_layers or self.block_size < 2):
             raise ValueError("a dflash drafter needs target_layers and block_size >= 2")
+        if self.method == "eagle3" and not self.target_layers:
+            raise ValueError("an eagle3 drafter needs target_layers (its low, mid, high)")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.method == "medusa" and self.num_heads < 1:
@@ -109,10 +114,12 @@ class DraftHead(nn.Module):
 
 
 class FeatureDrafter(nn.Module):
-    """EAGLE's drafter (``input_norms`` False) or DeepSeek-V3's MTP module (True).
+    """EAGLE's drafter (``input_norms`` False), DeepSeek-V3's MTP module or EAGLE-3's (True).
 
     forward(tokens [B, T, D] embeddings of x_{t+1}, features [B, T, D] target states h_t,
-    positions [T]) -> f [B, T, D], each f_t a guess of h_{t+1}; logits = head(f)."""
+    positions [T]) -> f [B, T, D], each f_t a guess of h_{t+1}; logits = head(f). With
+    ``cfg.target_layers`` (EAGLE-3) the features are ``fuse(states)``: states [B, T, m * D],
+    the target's residual streams after those m layers, side by side."""
 
     def __init__(self, cfg: DrafterConfig, block_cfg: ModelConfig, input_norms: bool) -> None:
         super().__init__()
@@ -123,6 +130,8 @@ class FeatureDrafter(nn.Module):
         self.proj = nn.Linear(2 * d, d, bias=False)
         self.layers = nn.ModuleList(Block(block_cfg, i) for i in range(cfg.layers))
         self.norm = RMSNorm(d, cfg.norm_eps)
+        if cfg.target_layers:
+            self.fuse = nn.Linear(len(cfg.target_layers) * d, d, bias=False)
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 cache=None) -> torch.Tensor:
@@ -235,6 +244,12 @@ class BlockDrafter(nn.Module):
         return self.confidence_proj(x)[..., 0]
 
 
+def eagle3_layers(n_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layers of an n-layer target: 2, n // 2 and n - 3 (fewer
+    distinct ones on a very shallow model)."""
+    return tuple(sorted({min(2, n_layers - 1), n_layers // 2, max(0, n_layers - 3)}))
+
+
 def build_drafter(cfg: DrafterConfig, target: Transformer) -> nn.Module:
     """The module for ``cfg`` (random weights), sharing ``target``'s embedding where it needs
     one. A ``draft_model`` is a :class:`~minillm.model.Transformer` whose embedding is the
@@ -249,7 +264,7 @@ def build_drafter(cfg: DrafterConfig, target: Transformer) -> nn.Module:
         return MedusaHeads(cfg)
     if cfg.method == "dflash":
         return BlockDrafter(cfg, block_cfg)
-    return FeatureDrafter(cfg, block_cfg, input_norms=cfg.method == "mtp")
+    return FeatureDrafter(cfg, block_cfg, input_norms=cfg.method in ("mtp", "eagle3"))
 
 
 def own_parameters(drafter: nn.Module, target: Transformer) -> dict[str, torch.Tensor]:

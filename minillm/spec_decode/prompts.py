@@ -139,3 +139,8 @@ def benchmark_prompts(kind: str, n: int = 8) -> list[str]:
 def num_training_prompts() -> dict[str, int]:
     """How many distinct training messages each kind can give."""
     return {kind: len(_training_pool(kind)) for kind in KINDS}
+
+
+def all_benchmark_prompts() -> list[str]:
+    """Every held-out user message of every kind (what training data must not contain)."""
+    return [m for kind in KINDS for m in _benchmark_pool(kind)]

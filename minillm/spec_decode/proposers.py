@@ -179,8 +179,9 @@ class DraftModelProposer:
 
 
 class FeatureProposer:
-    """EAGLE or MTP: the drafter reads the target's last hidden state h_t and the next token
-    x_{t+1} at each committed position t, then runs ahead on its own outputs. ``tree`` False
+    """EAGLE or MTP: the drafter reads the target's last hidden state h_t (EAGLE-3: its states
+    after a low, a middle and a high layer, fused) and the next token x_{t+1} at each committed
+    position t, then runs ahead on its own outputs. ``tree`` False
     drafts a chain of k; True grows EAGLE-2's dynamic tree k levels deep: each level expands
     the ``topk`` nodes of highest joint confidence into ``topk`` children each, and the
     ``budget`` best nodes of all are kept."""
@@ -191,6 +192,7 @@ class FeatureProposer:
                  block_size: int, tree: bool = False, topk: int = 4, budget: int = 16) -> None:
         self.drafter, self.head, self.embed = drafter, head, embed
         self.k, self.tree, self.topk, self.budget = k, tree, topk, budget
+        self.hidden_layers = tuple(drafter.cfg.target_layers) or (-1,)
         self.max_nodes = budget if tree else k
         dev, dtype = embed.weight.device, embed.weight.dtype
         self.cache = PagedDrafter(drafter.block_cfg, num_blocks, block_size, dev, dtype)
@@ -205,9 +207,17 @@ class FeatureProposer:
         ids = torch.tensor(tokens, device=features.device)
         return torch.cat([self.embed(ids), features.to(self.embed.weight.dtype)], -1)
 
+    def features(self, hidden: dict) -> torch.Tensor:
+        """The step's rows of what the drafter reads [N, D]: the last hidden state, or
+        EAGLE-3's fused low, middle and high ones."""
+        if self.hidden_layers == (-1,):
+            return hidden[-1]
+        states = torch.cat([hidden[i] for i in self.hidden_layers], -1)
+        return self.drafter.fuse(states.to(self.embed.weight.dtype))
+
     @torch.inference_mode()
     def propose(self, inputs: list[SpecInput], hidden: dict) -> list[Draft | None]:
-        h = hidden[-1]
+        h = self.features(hidden)
         work, rows = [], []
         for inp in inputs:
             s, n = inp.seq, len(inp.rows)

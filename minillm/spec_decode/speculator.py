@@ -157,8 +157,8 @@ def build_speculator(options: dict | SpeculativeConfig, engine: LLMEngine,
         return DraftAndVerify(cfg, window,
                               DraftModelProposer(module, head, k, num_blocks, block_size))
     return DraftAndVerify(cfg, window, FeatureProposer(
-        module, head, model.embed, k, num_blocks, block_size, tree=cfg.method == "eagle",
-        topk=cfg.tree_topk, budget=cfg.tree_nodes))
+        module, head, model.embed, k, num_blocks, block_size,
+        tree=cfg.method in ("eagle", "eagle3"), topk=cfg.tree_topk, budget=cfg.tree_nodes))
 
 
 def block_proposer(cfg: SpeculativeConfig, engine: LLMEngine, drafter=None) -> BlockProposer:

@@ -19,7 +19,7 @@ from minillm.engine.sampler import SamplingBatch, filtered_probs
 from minillm.engine.sequence import Draft
 from minillm.spec_decode import speculator as spec_mod
 from minillm.spec_decode.config import MODEL_FREE, SpeculativeConfig
-from minillm.spec_decode.drafters import DrafterConfig, DraftHead, build_drafter
+from minillm.spec_decode.drafters import DrafterConfig, DraftHead, build_drafter, eagle3_layers
 from minillm.spec_decode.speculator import DraftAndVerify, build_speculator
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -36,7 +36,8 @@ def random_drafter(method: str, model, seed: int = 0):
     c = model.cfg
     cfg = DrafterConfig(method, d_model=c.d_model, layers=1, n_heads=c.n_heads,
                         n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ffn_dim=c.ffn_dim,
-                        num_heads=4 if method == "medusa" else 0, draft_vocab=512)
+                        num_heads=4 if method == "medusa" else 0, draft_vocab=512,
+                        target_layers=eagle3_layers(c.n_layers) if method == "eagle3" else ())
     torch.manual_seed(seed)
     module = build_drafter(cfg, model)
     with torch.no_grad():
@@ -78,7 +79,8 @@ def reference(model):
     return prompts, tokens(run_all(engine_for(model, None), prompts, GREEDY))
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "eagle", "mtp", "medusa"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp",
+                                    "medusa"])
 def test_greedy_equals_the_target(model, reference, method):
     prompts, expect = reference
     engine = engine_for(model, method)

@@ -114,3 +114,88 @@ def load_dataset(data_dir: Path | None = None) -> dict:
             "prompt_lens": torch.cat([p["prompt_lens"] for p in parts]),
             "features": torch.cat([p["features"] for p in parts]),
             "kinds": [k for p in parts for k in p["kinds"]]}
+
+
+# ---------------------------------------------------------------------------------- at scale
+
+def corpus_data_dir() -> Path:
+    return cache_dir() / "spec-corpus"
+
+
+def self_questions(llm, asks: list[str]) -> list[str]:
+    """The target's own questions: its greedy first line for each request to write one (the
+    request itself where it wrote nothing)."""
+    tok = llm.tokenizer
+    chats = [tok.apply_chat_template([{"role": "user", "content": m}],
+                                     add_generation_prompt=True) for m in asks]
+    outs = llm.generate(chats, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
+    lines = [o.outputs[0].text.strip().split("\n")[0].strip() for o in outs]
+    return [line if len(line) > 8 else ask for line, ask in zip(lines, asks)]
+
+
+def make_corpus_shard(llm, prompts: list[tuple[str, str]], first_index: int,
+                      max_tokens: int) -> dict:
+    """Answer ``prompts`` (:func:`.corpus.corpus_prompts`; a ``self`` one first becomes the
+    target's own question). A shard holds token ids only, for S sequences and N tokens:
+    tokens int32 [N], offsets int64 [S + 1], prompt_lens int64 [S], kinds [S]; features are
+    recomputed from them when a drafter trains."""
+    asks = [i for i, (kind, _) in enumerate(prompts) if kind == "self"]
+    messages = [m for _, m in prompts]
+    for i, q in zip(asks, self_questions(llm, [messages[i] for i in asks]) if asks else []):
+        messages[i] = q
+    tok = llm.tokenizer
+    chats = [tok.apply_chat_template([{"role": "user", "content": m}],
+                                     add_generation_prompt=True) for m in messages]
+    params = [reply_params(first_index + i, max_tokens) for i in range(len(prompts))]
+    outs = llm.generate(chats, params, use_tqdm=False)
+    seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    lens = torch.tensor([len(s) for s in seqs])
+    return {"tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
+            "prompt_lens": torch.tensor([len(o.prompt_token_ids) for o in outs]),
+            "kinds": [k for k, _ in prompts]}
+
+
+def make_corpus_dataset(out_dir: Path | None = None, num_prompts: int = 20000,
+                        max_tokens: int = 128, shard_size: int = 500, seed: int = 0,
+                        max_num_seqs: int = 128, model: str = "smollm2-135m") -> Path:
+    """Write (or finish writing) the shards of the target's replies to ``num_prompts``
+    corpus prompts; returns the folder. Resumable: a shard is whole or absent."""
+    from ...engine.llm import LLM
+    from .corpus import corpus_prompts
+    out_dir = Path(out_dir or corpus_data_dir())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = range(0, num_prompts, shard_size)
+    todo = [s for s in shards if not (out_dir / f"shard-{s // shard_size:04d}.pt").exists()]
+    if not todo:
+        return out_dir
+    llm = LLM(model, max_num_seqs=max_num_seqs)
+    prompts = corpus_prompts(num_prompts, llm.tokenizer, seed)
+    bar = tqdm(todo, desc="corpus shards", initial=len(shards) - len(todo), total=len(shards))
+    for start in bar:
+        shard = make_corpus_shard(llm, prompts[start:start + shard_size], start, max_tokens)
+        path = out_dir / f"shard-{start // shard_size:04d}.pt"
+        torch.save(shard, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)
+        bar.set_postfix(tokens=int(shard["offsets"][-1]))
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m minillm.spec_decode.training.distill``: the corpus dataset."""
+    import argparse
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"(default: {corpus_data_dir()})")
+    parser.add_argument("--prompts", type=int, default=20000)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--shard-size", type=int, default=500)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    args = parser.parse_args(argv)
+    print(make_corpus_dataset(args.out, args.prompts, args.max_tokens, args.shard_size,
+                              max_num_seqs=args.max_num_seqs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -56,12 +56,14 @@ from ..drafters import (
     DrafterConfig,
     DraftHead,
     build_drafter,
+    eagle3_layers,
     own_parameters,
     vocab_lookup,
 )
 from . import distill
 
 CONFIGS = {"eagle": dict(layers=1, ffn_dim=1536), "mtp": dict(layers=1, ffn_dim=1536),
+           "eagle3": dict(layers=1, ffn_dim=1536),
            "medusa": dict(num_heads=5), "draft_model": dict(layers=2, ffn_dim=1536),
            "dflash": dict(layers=2, ffn_dim=1024, target_layers=(1, 10, 19, -1), block_size=8,
                           markov_rank=32)}
@@ -133,7 +135,8 @@ class Batch:
 
 def make_batch(data: dict, spans: list[tuple[int, int]], width: int) -> Batch:
     """Windows (sequence id, start) of at most ``width`` positions each, gathered and padded."""
-    offsets, feats = data["offsets"], data["features"]
+    offsets = data["offsets"]
+    feats = data.get("features", torch.zeros(0, 0))    # none: recomputed by the loss
     ends = [min(int(offsets[s + 1]), int(offsets[s]) + a + width) for s, a in spans]
     lens = [e - int(offsets[s]) - a for (s, a), e in zip(spans, ends)]
     t = max(lens)
@@ -142,7 +145,8 @@ def make_batch(data: dict, spans: list[tuple[int, int]], width: int) -> Batch:
     nxt = torch.zeros(len(spans), t, dtype=torch.long) if "target_next" in data else None
     for row, (e, n) in enumerate(zip(ends, lens)):
         tokens[row, :n] = data["tokens"][e - n:e].long()
-        features[row, :n] = feats[e - n:e]
+        if len(feats):
+            features[row, :n] = feats[e - n:e]
         if nxt is not None:
             nxt[row, :n] = data["target_next"][e - n:e]
     starts = torch.tensor([a for _, a in spans])
@@ -260,17 +264,23 @@ def eval_states(method: str, drafter, target, batch: Batch) -> list[tuple[torch.
 
 @torch.no_grad()
 def evaluate(method: str, drafter, head: DraftHead, target, data: dict, seqs: torch.Tensor,
-             lookup: torch.Tensor, batch: int = BATCH, width: int = WINDOW) -> dict:
+             lookup: torch.Tensor, batch: int = BATCH, width: int = WINDOW,
+             states_fn=None, whole: bool = False) -> dict:
     """Held-out accuracy at reply labels: ``heldout_accuracy`` [positions] (top-1) and
-    ``topk_accuracy`` [positions][TOPK] (P(the rank-r candidate is the true token))."""
+    ``topk_accuracy`` [positions][TOPK] (P(the rank-r candidate is the true token)).
+    ``states_fn(drafter, target, batch)``: instead of :func:`eval_states`; ``whole``: windows
+    from each sequence's first token (else its last ``width``)."""
     device, dtype = target.device, target.dtype
     hits, counts = 0, 0
     lengths = data["offsets"].diff()
     for i in range(0, len(seqs), batch):
-        spans = [(s, max(0, int(lengths[s]) - width)) for s in seqs[i:i + batch].tolist()]
+        spans = [(s, 0 if whole else max(0, int(lengths[s]) - width))
+                 for s in seqs[i:i + batch].tolist()]
         b = make_batch(data, spans, width).to(device, dtype)
         rows, n = [], []
-        for states, k in eval_states(method, drafter, target, b):
+        depths = states_fn(drafter, target, b) if states_fn is not None else \
+            eval_states(method, drafter, target, b)
+        for states, k in depths:
             labels, reply = labels_at(b, lookup.to(device), k)
             top = head(states[reply]).topk(TOPK, dim=-1).indices
             rows.append((top == labels[reply][:, None]).double().sum(0).cpu())
@@ -287,9 +297,11 @@ def drafter_config(method: str, target: Transformer, draft_vocab: int | None = N
                    ) -> DrafterConfig:
     """The method's config at the target's width, heads and RoPE."""
     c, draft_vocab = target.cfg, draft_vocab or DRAFT_VOCAB
+    extra = {"target_layers": eagle3_layers(c.n_layers)} if method == "eagle3" else {}
     return DrafterConfig(method=method, d_model=c.d_model, n_heads=c.n_heads,
                          n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
-                         norm_eps=c.norm_eps, draft_vocab=draft_vocab, **CONFIGS[method])
+                         norm_eps=c.norm_eps, draft_vocab=draft_vocab, **CONFIGS[method],
+                         **extra)
 
 
 def lr_at(step: int, steps: int, lr: float = LR, warmup: int = WARMUP) -> float:
@@ -360,9 +372,10 @@ class Trained:
 
 def train(method: str, target: Transformer, data: dict, steps: int, *, fresh: bool = False,
           ckpt: Path | None = None, draft_vocab: int | None = None, batch: int = BATCH,
-          width: int = WINDOW, seed: int = 0, progress: bool = True, loss_fn=None) -> Trained:
+          width: int = WINDOW, seed: int = 0, progress: bool = True, loss_fn=None,
+          sample=None) -> Trained:
     """Train (or resume training) ``method``'s drafter for ``steps`` steps in all
-    (``loss_fn``: instead of LOSSES[method])."""
+    (``loss_fn``: instead of LOSSES[method]; ``sample``: instead of :func:`sample_batch`)."""
     ckpt, draft_vocab = ckpt or checkpoint_path(method), draft_vocab or DRAFT_VOCAB
     cfg = drafter_config(method, target, draft_vocab)
     torch.manual_seed(seed)
@@ -376,12 +389,13 @@ def train(method: str, target: Transformer, data: dict, steps: int, *, fresh: bo
     head = DraftHead(target.lm_head.weight, st.draft_ids.to(target.device))
     lookup = vocab_lookup(st.draft_ids, target.cfg.vocab_size).to(target.device)
     train_loop(method, drafter, head, target, data, opt, st, steps, ckpt, lookup,
-               batch, width, progress, loss_fn)
+               batch, width, progress, loss_fn, sample or sample_batch)
     return Trained(drafter.eval(), head, cfg, st, lookup)
 
 
 def train_loop(method, drafter, head, target, data, opt, st: State, steps: int, ckpt: Path,
-               lookup, batch: int, width: int, progress: bool, loss_fn=None) -> None:
+               lookup, batch: int, width: int, progress: bool, loss_fn=None,
+               sample=sample_batch) -> None:
     """Steps st.step .. steps - 1, a checkpoint every CKPT_EVERY steps and at the end."""
     seqs, _ = split(data)
     bar = tqdm(total=steps, initial=st.step, desc=method, disable=not progress)
@@ -389,7 +403,7 @@ def train_loop(method, drafter, head, target, data, opt, st: State, steps: int, 
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(st.step, steps)
-        b = sample_batch(data, seqs, st.gen, batch, width).to(target.device, target.dtype)
+        b = sample(data, seqs, st.gen, batch, width).to(target.device, target.dtype)
         st.losses.append(train_step(method, drafter, head, target, b, lookup, opt, loss_fn))
         st.step += 1
         st.seconds += time.perf_counter() - t0
