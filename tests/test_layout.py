@@ -52,7 +52,7 @@ ALLOWED: dict[str, set[str]] = {
                "sampling"},
     # techniques: the core only (training also reads its package's weights module)
     "spec_decode": {"attention", "cache", "config", "engine", "model"},
-    "spec_decode.training": {"checkpoint", "config", "engine", "model", "runinfo",
+    "spec_decode.training": {"checkpoint", "config", "device", "engine", "model", "runinfo",
                              "spec_decode"},
     "parallel": {"attention", "checkpoint", "config", "device", "kernels", "model", "runinfo"},
     "disagg": {"cache", "checkpoint", "config", "device", "engine", "runinfo"},

@@ -44,8 +44,6 @@ TESTED_ELSEWHERE = {
     "minillm.serve.tokenize": "the tokenizer routes in tests/serve/test_serve.py and "
                               "test_lm_eval.py (over HTTP)",
     "minillm.spec_decode.inputs": "what every proposer reads: tests/spec_decode/",
-    "minillm.spec_decode.training.distill": "the training data of tests/spec_decode/"
-                                            "test_spec_train.py",
     "minillm.train": "the package of tests/train/test_train.py's modules",
     "minillm.viz.a1": "appendix A1's plots, run by its notebook (nbmake)",
     "minillm.viz.a2": "appendix A2's plots, run by its notebook (nbmake)",

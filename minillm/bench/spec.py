@@ -85,7 +85,8 @@ def make_engine(model, tok, method: str | None, k: int, max_seqs: int, *,
     manifest) instead of the packaged weights (random-weight models in tests)."""
     options = {"method": method, "num_speculative_tokens": k, "tree_nodes": TREE_NODES,
                **(extra or {})}
-    budget = max(4096, max_seqs * (1 + max(options["tree_nodes"], k)))
+    deepest = MAX_TOKENS.get(method, 0) if k == "auto" else k
+    budget = max(4096, max_seqs * (1 + max(options["tree_nodes"], deepest)))
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=max_seqs, num_kv_blocks=64 * 40,
                                                 max_num_batched_tokens=budget))
     if method is not None:
@@ -124,6 +125,8 @@ def measure(model, tok, method: str | None, k: int, kind: str, prompts: list[lis
     spec = engine.speculator
     seconds, tokens = run_in_batches(engine, prompts, params, batch)
     s = spec.stats if spec is not None else None
+    if k == "auto":                   # the k it chose at batch 1 (fewer, or none, under load)
+        method, k = f"{method} auto", spec.config.num_speculative_tokens
     return Run(method or "none", k, kind, batch, seconds, tokens,
                s.acceptance_by_position if s else [], s.mean_accepted if s else 1.0,
                s.propose_seconds if s else 0.0, s.rounds if s else 0,
@@ -142,10 +145,13 @@ def expected_speedup(run: Run, base_seconds_per_token: float) -> float:
 def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4, 6, 8),
                    batches=(1, 4, 16, 64), prompts_per_kind: int = 3, max_tokens: int = 64,
                    device=None, dtype=None, threads: int | None = None, log=print,
-                   load: bool | dict = False) -> dict:
+                   load: bool | dict = False, auto: bool = False) -> dict:
     """Every measurement of the module docstring; returns the report (JSON-ready). ``load``:
     also speculation under load (:func:`.spec_load.run_load_sweeps`), True with its defaults
-    or a dict of its keyword arguments (budgets, rates, num_requests, max_tokens, seed)."""
+    or a dict of its keyword arguments (budgets, rates, num_requests, max_tokens, seed).
+    ``auto``: instead of the fixed lookaheads, each method with num_speculative_tokens="auto"
+    (chosen by measuring when its engine is built; see :mod:`minillm.spec_decode.autotune`)
+    on all kinds at every batch size."""
     if threads:
         torch.set_num_threads(threads)
     dev = resolve_device(device)
@@ -159,7 +165,7 @@ def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4
     def go(method, k, kind, prompts, batch):
         run = measure(target, tok, method, k, kind, prompts, batch, params)
         runs.append(run)
-        log(f"{run.method:>11} k={k} {kind:>8} batch {batch:>2}: {run.rate:7.1f} tok/s, "
+        log(f"{run.method:>11} k={run.k} {kind:>8} batch {batch:>2}: {run.rate:7.1f} tok/s, "
             f"{run.mean_accepted:.2f} tokens/round")
         return run
 
@@ -167,7 +173,10 @@ def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4
     for b in batches:
         if b > 1:
             go(None, 0, "mixed", (mixed * b)[:b], b)
-    for m in methods:
+    for m in methods if auto else ():
+        for b in batches:
+            go(m, "auto", "mixed", (mixed * b)[:b] if b > 1 else mixed, b)
+    for m in methods if not auto else ():
         for kind in KINDS:
             go(m, DEFAULT_K[m], kind, by_kind[kind], 1)
         for k in sorted(set(ks) | {DEFAULT_K[m]}):      # the default k too, for the plots
@@ -179,7 +188,7 @@ def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4
     report = report_of(runs, base, machine_info(dev, torch.get_num_threads()),
                        {"model": model, "dtype": dtype_name(dtype), "dtype_reason": reason,
                         "max_tokens": max_tokens, "prompts_per_kind": prompts_per_kind,
-                        "default_k": DEFAULT_K, "tree_nodes": TREE_NODES,
+                        "default_k": DEFAULT_K, "tree_nodes": TREE_NODES, "auto": auto,
                         "load_average": os.getloadavg()})
     if load:
         from .spec_load import run_load_sweeps  # it builds on this module
@@ -216,7 +225,7 @@ def drafter_costs(rows: list[dict], default_k: dict[str, int]) -> list[dict]:
     out = []
     for r in rows:
         if r["method"] != "none" and r["kind"] == "mixed" and r["batch"] == 1 \
-                and r["k"] == default_k[r["method"]] and r["rounds"]:
+                and r["k"] == default_k.get(r["method"]) and r["rounds"]:
             ms = 1e3 * r["propose_seconds"] / r["rounds"]
             out.append({"method": r["method"], "k": r["k"], "draft_ms_per_round": ms,
                         "plain_ms_per_token": ms_per_token, "ratio": ms / ms_per_token,
@@ -258,6 +267,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="(default: %(default)s)")
     parser.add_argument("--dtype", default=None, help="default: what minillm.LLM picks")
     load = parser.add_argument_group("speculation under load (figure: the --figure path + _load)")
+    parser.add_argument("--auto", action="store_true",
+                        help="each method with num_speculative_tokens='auto' at every batch "
+                             "size, instead of the fixed lookaheads (no load sweeps)")
     load.add_argument("--load", action=argparse.BooleanOptionalAction, default=True,
                       help="equal-budget and request-rate sweeps (default: on, off with --part1)")
     load.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS),
@@ -281,13 +293,14 @@ def main(args: argparse.Namespace) -> int:
     from .spec_load import spec_load_tables
 
     methods = args.methods or list(METHODS if args.part1 else ALL_METHODS)
-    load = args.load and not args.part1
+    load = args.load and not args.part1 and not args.auto
     report = run_spec_bench(args.model, methods, args.ks, args.batches,
                             args.prompts_per_kind, args.max_tokens, args.device, args.dtype,
                             args.threads, log=log_to_stderr,
                             load=load and {"budgets": args.budgets, "rates": args.rates,
                                            "num_requests": args.load_requests,
-                                           "max_tokens": args.load_tokens})
+                                           "max_tokens": args.load_tokens},
+                            auto=args.auto)
     write_report(args, report, f"{spec_table(report)}\n\n{spec_load_tables(report)}", plot_spec)
     if load and args.figure != "none":
         path = Path(args.figure)

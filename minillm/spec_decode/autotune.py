@@ -22,11 +22,17 @@ drafter that runs once per depth (draft model, EAGLE, MTP) and is fixed for one 
 one pass (Medusa, the block drafters, the model-free ones); and picks the k of the highest
 tokens(k) * T1 / time(k). When no k is predicted to beat plain decoding, the speculator keeps
 that k but does not draft (``DraftAndVerify.drafting`` is False): the engine decodes plainly.
+
+Under load the same prediction runs per batch size: the plain decode step is also measured
+with 4, 16 and 64 sequences, and a step's cost is read off the curve of seconds against the
+rows it computes (b sequences verifying 1 + nodes(k) rows each). Each step drafts only as deep
+as :meth:`Calibration.k_for_batch` says pays for the sequences decoding in it, and not at all
+when no depth does: as the batch grows, verification stops being nearly free.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from statistics import median
 
 from ..config import SamplingParams
@@ -35,6 +41,7 @@ from ..engine.engine import LLMEngine
 PER_DEPTH = ("draft_model", "eagle", "eagle3", "mtp")     # the drafter runs once per drafted depth
 CALIBRATION_PROMPTS = 4
 CALIBRATION_TOKENS = 32
+BATCHES = (4, 16, 64)       # batch sizes whose plain step the calibration measures
 
 
 def acceptance_rate(mean_tokens: float, k: int) -> float:
@@ -65,24 +72,49 @@ class Calibration:
     reached: list[float]
     nodes: list[float]
     per_depth: bool
+    batch_s: dict[int, float] = field(default_factory=dict)
 
     def tokens(self, k: int) -> float:
-        """Predicted tokens per decode step at lookahead k."""
+        """Predicted tokens per sequence and decode step at lookahead k."""
         return 1.0 + sum(self.reached[:k])
 
-    def seconds(self, k: int) -> float:
-        """Predicted seconds per decode step at lookahead k."""
-        share = sum(self.nodes[:k]) / sum(self.nodes) if sum(self.nodes) else 0.0
-        verify = self.step_s - self.draft_s
-        drafter = self.draft_s * (share if self.per_depth else 1.0)
-        return self.plain_s + (verify - self.plain_s) * share + drafter
+    def rows_seconds(self, rows: float) -> float:
+        """A step's seconds for ``rows`` new tokens, linear between the measured points: plain
+        steps of b sequences (b rows; 1 and ``batch_s``) and the batch-1 drafting step
+        (1 + nodes(K) rows, drafter excluded); past the last one, its slope goes on."""
+        measured = {float(b): s for b, s in self.batch_s.items()} | {1.0: self.plain_s}
+        if sum(self.nodes):
+            measured[1.0 + sum(self.nodes)] = self.step_s - self.draft_s
+        points = sorted(measured.items())
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if rows <= x1 or (x1, y1) == points[-1]:
+                return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+        return self.plain_s * rows                     # one point only: proportional
 
-    def speedup(self, k: int) -> float:
-        return self.tokens(k) * self.plain_s / self.seconds(k)
+    def seconds(self, k: int, batch: int = 1) -> float:
+        """Predicted seconds of a decode step of ``batch`` sequences at lookahead k: the
+        target over their rows, plus the drafter (which scales with the batch like the
+        target's plain step)."""
+        if k == 0:
+            return self.rows_seconds(batch)
+        share = sum(self.nodes[:k]) / sum(self.nodes) if sum(self.nodes) else 0.0
+        drafter = self.draft_s * (share if self.per_depth else 1.0)
+        rows = batch * (1.0 + sum(self.nodes[:k]))
+        return self.rows_seconds(rows) + drafter * self.rows_seconds(batch) / self.plain_s
+
+    def speedup(self, k: int, batch: int = 1) -> float:
+        """Predicted tokens per second at lookahead k over plain decoding's, at ``batch``."""
+        return self.tokens(k) * self.rows_seconds(batch) / self.seconds(k, batch)
 
     @property
     def best_k(self) -> int:
         return max(range(1, self.max_k + 1), key=self.speedup)
+
+    def k_for_batch(self, batch: int) -> int:
+        """The lookahead of the best predicted speedup with ``batch`` sequences decoding, 0
+        (no drafting) when none beats plain decoding."""
+        k = max(range(1, self.max_k + 1), key=lambda k: self.speedup(k, batch))
+        return k if self.speedup(k, batch) > 1.0 else 0
 
     @property
     def pays(self) -> bool:
@@ -92,26 +124,50 @@ class Calibration:
     def summary(self) -> dict:
         """JSON-ready: the measurements and the predicted speedup of every k."""
         return asdict(self) | {"k": self.best_k, "pays": self.pays, "predicted": {
-            k: round(self.speedup(k), 4) for k in range(1, self.max_k + 1)}}
+            k: round(self.speedup(k), 4) for k in range(1, self.max_k + 1)},
+            "k_by_batch": {b: self.k_for_batch(b) for b in (1, 4, 16, 64)}}
 
 
-def serve_one_by_one(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
-                     ) -> list[float]:
-    """Serve ``prompts`` one after another (greedy, EOS ignored); returns the seconds of each
-    decode-only step. Leaves no request, block or trace record behind."""
+def serve(engine: LLMEngine, groups: list[list[list[int]]], max_tokens: int, batch: int = 1
+          ) -> list[float]:
+    """Serve each group of prompts at once, one group after another (greedy, EOS ignored);
+    returns the seconds of each decode-only step in which ``batch`` sequences decoded. Leaves
+    no request, block or trace record behind."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     saved, records = list(engine.trace), []
     engine.step_hooks.append(lambda _engine, record: records.append(record))
     try:
-        for p in prompts:
-            engine.add_request(p, params)
+        for group in groups:
+            for p in group:
+                engine.add_request(p, params)
             while engine.has_unfinished():
                 engine.step()
     finally:
         engine.step_hooks.pop()
         engine.trace.clear()
         engine.trace.extend(saved)
-    return [r.end - r.start for r in records if r.prefill_tokens == 0 and r.decode_tokens]
+    return [r.end - r.start for r in records
+            if r.prefill_tokens == 0 and r.decode_tokens == batch]
+
+
+def serve_one_by_one(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
+                     ) -> list[float]:
+    """Serve ``prompts`` one after another; the seconds of each decode step."""
+    return serve(engine, [[p] for p in prompts], max_tokens)
+
+
+def plain_batches(engine: LLMEngine, prompts: list[list[int]], batches=BATCHES,
+                  max_tokens: int = 8) -> dict[int, float]:
+    """{b: median seconds of a plain decode step of b sequences} for the batch sizes the
+    engine can hold at once."""
+    out = {}
+    for b in batches:
+        if 1 < b <= engine.config.max_num_seqs:
+            group = [prompts[i % len(prompts)] for i in range(b)]
+            steps = serve(engine, [group], max_tokens, batch=b)
+            if steps:
+                out[b] = median(steps)
+    return out
 
 
 def calibrate(engine: LLMEngine, method: str, max_k: int,
@@ -128,6 +184,7 @@ def calibrate(engine: LLMEngine, method: str, max_k: int,
     engine.speculator = engine.runner.speculator = None
     serve_one_by_one(engine, warm_up, 4)
     plain = serve_one_by_one(engine, prompts, max_tokens // 2)
+    batches = plain_batches(engine, prompts)
     spec = build(max_k)
     engine.use_speculator(spec)
     serve_one_by_one(engine, warm_up, 4)
@@ -140,4 +197,4 @@ def calibrate(engine: LLMEngine, method: str, max_k: int,
     nodes = [p * s.nodes / max(1, sum(proposed)) / n for p in proposed]   # a tree's width
     return Calibration(method, max_k, median(plain), sum(steps) / n,
                        s.propose_seconds / (n + len(prompts)),    # each prefill proposes too
-                       [a / n for a in accepted], nodes, method in PER_DEPTH)
+                       [a / n for a in accepted], nodes, method in PER_DEPTH, batches)

@@ -74,6 +74,7 @@ class DraftAndVerify:
         self.stats = SpecStats()
         self.calibration: Calibration | None = None   # set when k was "auto"
         self.drafting = True                           # False: propose nothing (plain decoding)
+        self._depth_for: dict[int, int] = {}           # batch -> calibration.k_for_batch
 
     def propose(self, plan: SchedulerOutput, out: RunnerOutput, done: StepUpdate
                 ) -> dict[int, Draft]:
@@ -84,6 +85,13 @@ class DraftAndVerify:
         inputs = spec_inputs(plan, out, done, self.max_seq_len) if self.drafting else []
         if not inputs:
             return {}
+        if self.calibration is not None:      # under load, only as deep as pays
+            batch = len(inputs)               # the sequences the next step computes
+            if batch not in self._depth_for:
+                self._depth_for[batch] = self.calibration.k_for_batch(batch)
+            depth = self._depth_for[batch]
+            for inp in inputs:
+                inp.max_depth = min(inp.max_depth, depth)
         start = time.perf_counter()
         drafts = self.proposer.propose(inputs, out.hidden)
         self.stats.propose_seconds += time.perf_counter() - start

@@ -60,7 +60,7 @@ def plot_spec(report: dict):
     for i, m in enumerate(methods):
         c = f"C{i}"
         mixed = [r for r in runs if r["method"] == m and r["kind"] == "mixed"]
-        best = max((r for r in mixed if r["batch"] == 1 and r["k"] == default[m]),
+        best = max((r for r in mixed if r["batch"] == 1 and r["k"] == default.get(m, r["k"])),
                    key=lambda r: r["rounds"], default=None)
         if best and best["acceptance"]:
             acc = best["acceptance"]
@@ -106,7 +106,7 @@ def speedup_by_batch(ax, report: dict) -> None:
     default = report["config"]["default_k"]
     for m, c in spec_colours(report).items():
         runs = sorted((r for r in report["runs"] if r["method"] == m and r["kind"] == "mixed"
-                       and r["k"] == default[m]), key=lambda r: r["batch"])
+                       and r["k"] == default.get(m, r["k"])), key=lambda r: r["batch"])
         ax.plot([r["batch"] for r in runs], [r["speedup"] for r in runs], "o-", color=c, label=m)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set(xlabel="batch size", ylabel="speedup over no speculation",

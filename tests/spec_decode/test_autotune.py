@@ -36,6 +36,20 @@ def test_a_costly_verification_shortens_k():
     assert dear.best_k < cheap.best_k == 8
 
 
+def test_under_load_drafting_stops_where_verification_stops_being_free():
+    """Steps cost the same up to 16 rows, then grow with every row (compute-bound): at batch
+    1 a deep draft pays; at 16 and 64 sequences no draft does."""
+    reached = [0.7 ** (i + 1) for i in range(8)]
+    cal = Calibration("ngram", 8, 0.02, 0.02, 0.0, reached, [1.0] * 8, per_depth=False,
+                      batch_s={4: 0.02, 16: 0.02, 64: 0.08})
+    assert cal.rows_seconds(32) == pytest.approx(0.02 + 0.06 * 16 / 48)
+    assert cal.rows_seconds(128) == pytest.approx(0.08 + 0.06 * 64 / 48)      # the slope on
+    assert cal.k_for_batch(1) == cal.best_k == 8
+    assert 0 < cal.k_for_batch(4) < 8
+    assert cal.k_for_batch(16) == cal.k_for_batch(64) == 0
+    assert cal.speedup(3, 64) < 1 and cal.speedup(8, 1) == pytest.approx(cal.tokens(8))
+
+
 @pytest.fixture(scope="module")
 def model():
     return sharp_model(torch.float32, max_seq_len=512)
@@ -59,6 +73,7 @@ def test_auto_keeps_the_best_measured_k_and_serves_the_targets_tokens(model, met
         assert sum(cal.reached) < 0.1 and cal.best_k == 1
         assert not cal.pays and not spec.drafting
     assert not engine.requests and not engine.trace and engine.speculator is None
+    assert set(cal.batch_s) == {4}                 # max_num_seqs=4: the larger ones do not fit
     assert_all_free(engine)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     others = prompts_of([9, 14], seed=5)
@@ -75,3 +90,26 @@ def test_auto_without_a_tokenizer_or_prompts_names_the_option(model):
     engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_seqs=4))
     with pytest.raises(ValueError, match="num_speculative_tokens='auto' .* needs a tokenizer"):
         build_speculator({"method": "ngram", "num_speculative_tokens": "auto"}, engine)
+
+
+def test_no_drafts_at_a_batch_where_none_pays(model):
+    """A calibration that says drafting pays alone but not with 4 sequences: four requests at
+    once are decoded plainly until only one is left."""
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=256, block_size=4, max_num_seqs=4))
+    spec = build_speculator({"method": "ngram", "num_speculative_tokens": 4}, engine)
+    reached = [0.9 ** (i + 1) for i in range(4)]
+    spec.calibration = Calibration("ngram", 4, 0.02, 0.02, 0.0, reached, [1.0] * 4, False,
+                                   batch_s={2: 0.08, 4: 0.16})
+    assert spec.calibration.k_for_batch(1) == 4 and spec.calibration.k_for_batch(4) == 0
+    engine.use_speculator(spec)
+    prompts = repetitive(4, seed=3)
+    lengths = [6, 6, 6, 20]              # the last one goes on alone after the others finish
+    depths = []
+    engine.step_hooks.append(lambda e, r: depths.append((r.decode_tokens, r.drafted_tokens)))
+    for p, n in zip(prompts, lengths):
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert all(drafted == 0 for seqs, drafted in depths if seqs > 1), depths
+    assert any(drafted > 0 for seqs, drafted in depths if seqs == 1)
+    assert_all_free(engine)

@@ -24,6 +24,7 @@ Shapes: B sequences, T positions, D the target's width, m the feature layers.
 from __future__ import annotations
 
 import argparse
+import copy
 from pathlib import Path
 
 import torch
@@ -100,10 +101,12 @@ def shifted(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def ttt_outputs(drafter, target: Transformer, batch: Batch, steps: int = STEPS
-                ) -> list[torch.Tensor]:
-    """The drafter's outputs [B, T, D] at steps 1..steps (row t of each predicts x_{t+2})."""
-    states = target_states(target, batch.tokens, drafter.cfg.target_layers)
+def ttt_outputs(drafter, target: Transformer, batch: Batch, steps: int = STEPS,
+                features_from: Transformer | None = None) -> list[torch.Tensor]:
+    """The drafter's outputs [B, T, D] at steps 1..steps (row t of each predicts x_{t+2});
+    ``features_from``: the target in the dtype it serves in, for its states (default
+    ``target``)."""
+    states = target_states(features_from or target, batch.tokens, drafter.cfg.target_layers)
     tokens = target.embed(ahead(batch.tokens, 1))
     features = drafter.fuse(states.to(tokens.dtype))
     cache, outs = StepCache(), []
@@ -114,21 +117,33 @@ def ttt_outputs(drafter, target: Transformer, batch: Batch, steps: int = STEPS
     return outs
 
 
-def eagle3_loss(drafter, head, target, batch: Batch, lookup) -> torch.Tensor:
+def eagle3_loss(drafter, head, target, batch: Batch, lookup,
+                features_from: Transformer | None = None) -> torch.Tensor:
     """sum_j DECAY^(j-1) CE(head(f^j), x_{t+2}), rows with a whole chain only."""
     labels, reply = labels_at(batch, lookup, 2)
     t = torch.arange(labels.shape[1], device=labels.device)
     loss = 0.0
-    for j, f in enumerate(ttt_outputs(drafter, target, batch)):
+    for j, f in enumerate(ttt_outputs(drafter, target, batch, features_from=features_from)):
         ok = t >= j                                      # a chain of j + 1 rows fits
         loss = loss + DECAY ** j * ce(head, f, torch.where(ok, labels, -100), reply)
     return loss
 
 
-def eval_states(drafter, target, batch: Batch) -> list[tuple[torch.Tensor, int]]:
+def eval_states(drafter, target, batch: Batch, features_from: Transformer | None = None
+                ) -> list[tuple[torch.Tensor, int]]:
     """For :func:`.train.evaluate`: step j's outputs, each predicting x_{t+2}; the accuracy of
     step j is that of the j-th drafted token when the j - 1 before it were right."""
-    return [(f, 2) for f in ttt_outputs(drafter, target, batch, steps=5)]
+    return [(f, 2) for f in ttt_outputs(drafter, target, batch, 5, features_from)]
+
+
+def serving_copy(target: Transformer) -> Transformer:
+    """The target in the dtype the engine serves it in on this device (bfloat16 where the CPU
+    has fast bf16 kernels: what the drafter reads at serving time, and twice as fast)."""
+    from ...device import serving_dtype
+    dtype, _ = serving_dtype(None, target.device)
+    if dtype == target.dtype:
+        return target
+    return copy.deepcopy(target).to(dtype).eval().requires_grad_(False)
 
 
 def sample_whole(data: dict, seqs: torch.Tensor, gen: torch.Generator, batch: int = BATCH,
@@ -156,9 +171,13 @@ def load_corpus(data_dir: Path | None = None) -> dict:
             "heldout": len(parts[-1]["prompt_lens"]) if len(parts) > 1 else 0}
 
 
-def train_eagle3(target: Transformer, data: dict, steps: int, **options) -> Trained:
+def train_eagle3(target: Transformer, data: dict, steps: int,
+                 features_from: Transformer | None = None, **options) -> Trained:
     """:func:`.train.train` with EAGLE-3's loss and whole-sequence batches."""
-    return train("eagle3", target, data, steps, loss_fn=eagle3_loss, sample=sample_whole,
+    def loss(drafter, head, target, batch, lookup):
+        return eagle3_loss(drafter, head, target, batch, lookup, features_from)
+
+    return train("eagle3", target, data, steps, loss_fn=loss, sample=sample_whole,
                  batch=options.pop("batch", BATCH), width=options.pop("width", WIDTH),
                  **options)
 
@@ -166,16 +185,19 @@ def train_eagle3(target: Transformer, data: dict, steps: int, **options) -> Trai
 def run(target: Transformer, data: dict, steps: int | None = None, fresh: bool = False,
         out: Path | None = None) -> Path:
     """Train, measure on the held-out sequences, write the weights and their manifest."""
-    trained = train_eagle3(target, data, steps or DEFAULT_STEPS, fresh=fresh)
+    served = serving_copy(target)
+    trained = train_eagle3(target, data, steps or DEFAULT_STEPS, served, fresh=fresh)
     scores = evaluate("eagle3", trained.drafter, trained.head, target, data, split(data)[1],
-                      trained.lookup, BATCH, WIDTH, states_fn=eval_states, whole=True)
+                      trained.lookup, BATCH, WIDTH, whole=True,
+                      states_fn=lambda d, t, b: eval_states(d, t, b, served))
     st = trained.state
     manifest = {"script": "minillm/spec_decode/training/eagle3.py",
                 "data": {"sequences": len(data["prompt_lens"]), "tokens": len(data["tokens"]),
                          "prompts": "minillm.spec_decode.training.corpus.corpus_prompts"},
                 "steps": st.step, "ttt_steps": STEPS,
                 "final_loss": round(sum(st.losses[-100:]) / max(1, len(st.losses[-100:])), 4),
-                "heldout_accuracy": scores["heldout_accuracy"], "seconds": round(st.seconds, 1)}
+                "heldout_accuracy": scores["heldout_accuracy"], "seconds": round(st.seconds, 1),
+                "features_dtype": str(served.dtype).removeprefix("torch.")}
     path = weights.save_drafter(trained.drafter, target, trained.cfg, st.draft_ids, manifest,
                                 path=out)
     print(f"eagle3: held-out accuracy by step {scores['heldout_accuracy']} -> {path}")
