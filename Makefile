@@ -7,8 +7,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm lab test test-fast soak solutions notebooks bench results drafters lint \
-	clean
+.PHONY: setup setup-vllm lab test test-fast soak solutions notebooks bench results drafters \
+	drafters-corpus lint clean
 
 setup: $(STAMP)
 
@@ -86,6 +86,14 @@ results: setup
 # into minillm/spec_decode/weights/.
 drafters: setup
 	$(BIN)/python -m minillm.spec_decode.training.train all
+
+# EAGLE-3 on the large corpus: the target's replies to 20,000 prompts from the standard
+# library's docs and code and from its own questions (about 2 hours on 2 CPU cores at 128
+# sequences at once, resumable), then training with training-time test (resumable; --device
+# cuda on a GPU).
+drafters-corpus: setup
+	$(BIN)/python -m minillm.spec_decode.training.distill
+	$(BIN)/python -m minillm.spec_decode.training.eagle3
 
 lint: setup
 	$(BIN)/ruff check minillm kernels tests benchmarks

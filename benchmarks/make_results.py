@@ -454,6 +454,37 @@ def sec_spec(d: dict) -> list[str]:
         figure("bench_spec_load", "speculation under load")
 
 
+def sec_spec_auto(d: dict) -> list[str]:
+    cfg, runs = d["config"], d["runs"]
+    out = ["### Speculative decoding with the lookahead chosen by measuring (CPU)", ""]
+    out += [f"{cfg['model']}, {cfg['dtype']}, greedy, {cfg['prompts_per_kind']} held-out prompts "
+            f"per kind (all kinds together), {cfg['max_tokens']} tokens. Each engine is built "
+            "with `num_speculative_tokens=\"auto\"`: it measures the method and the plain "
+            "step at batch 1, 4, 16 and 64 when built, keeps the lookahead k of the best "
+            "predicted speedup at batch 1 (the k column), and under load drafts only as deep "
+            "as pays for the sequences in each step (0: not at all). Speedup is over the "
+            "plain engine at the same batch size; each cell is one short run, so differences "
+            "of a few per cent are within the run-to-run spread.", ""]
+    out += about(d, "spec_auto", "python -m minillm bench spec --auto --batches 1 16 64 --out "
+                 "benchmarks/results/spec_auto.json")
+    batches = sorted({r["batch"] for r in runs})
+    auto = [r for r in runs if r["method"].endswith(" auto")]
+    methods = list(dict.fromkeys(r["method"] for r in auto))
+    body = []
+    for m in methods:
+        by_batch = {r["batch"]: r for r in auto if r["method"] == m}
+        one = by_batch.get(1)
+        body.append([m.removesuffix(" auto"), one["k"] if one else "-"] +
+                    [times(by_batch[b]["speedup"]) if b in by_batch else "-" for b in batches] +
+                    [num(by_batch[b]["mean_accepted"], 2) if b in by_batch else "-"
+                     for b in batches])
+    out += [caption(d, "spec_auto"), ""]
+    out += table(["method", "k (batch 1)"] + [f"speedup, batch {b}" for b in batches] +
+                 [f"tokens/round, batch {b}" for b in batches], body)
+    return out + ["", "tokens/round 0: no draft was verified (drafting was off at that batch "
+                  "size).", ""]
+
+
 def sec_chunked(d: dict) -> list[str]:
     cfg, cal = d["config"], d["calibration"]
     out = ["### Prefill/decode interference: step policies (CPU)", ""]
@@ -850,6 +881,7 @@ CPU_SECTIONS: list[tuple[str, Callable[[dict], list[str]]]] = [
     ("cpu_forward", sec_cpu_forward), ("cpu_attention", sec_cpu_attention),
     ("runtime", sec_runtime), ("quant_matmul", sec_quant_matmul),
     ("packed_linear", sec_packed_linear), ("quant", sec_quant), ("spec", sec_spec),
+    ("spec_auto", sec_spec_auto),
     ("chunked", sec_chunked), ("disagg", sec_disagg), ("prefix", sec_prefix),
     ("serve", sec_serve), ("serve_rate16", sec_serve_rate16)]
 GPU_SECTIONS: list[tuple[str, Callable[[dict], list[str]]]] = [

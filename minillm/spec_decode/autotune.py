@@ -20,8 +20,9 @@ For each k <= K it predicts, per decode step,
 where nodes(k) counts the draft nodes at depth <= k and drafter(k) scales with nodes(k) for a
 drafter that runs once per depth (draft model, EAGLE, MTP) and is fixed for one that drafts in
 one pass (Medusa, the block drafters, the model-free ones); and picks the k of the highest
-tokens(k) * T1 / time(k). When no k is predicted to beat plain decoding, the speculator keeps
-that k but does not draft (``DraftAndVerify.drafting`` is False): the engine decodes plainly.
+tokens(k) * T1 / time(k). When no k is predicted to beat plain decoding by ``MARGIN`` (the
+spread of the calibration's own timings), the speculator keeps that k but does not draft
+(``DraftAndVerify.drafting`` is False): the engine decodes plainly.
 
 Under load the same prediction runs per batch size: the plain decode step is also measured
 with 4, 16 and 64 sequences, and a step's cost is read off the curve of seconds against the
@@ -42,6 +43,8 @@ PER_DEPTH = ("draft_model", "eagle", "eagle3", "mtp")     # the drafter runs onc
 CALIBRATION_PROMPTS = 4
 CALIBRATION_TOKENS = 32
 BATCHES = (4, 16, 64)       # batch sizes whose plain step the calibration measures
+MARGIN = 1.1                # drafting must be predicted this much faster: a calibration's
+#                             step timings spread by about as much from run to run
 
 
 def acceptance_rate(mean_tokens: float, k: int) -> float:
@@ -112,14 +115,14 @@ class Calibration:
 
     def k_for_batch(self, batch: int) -> int:
         """The lookahead of the best predicted speedup with ``batch`` sequences decoding, 0
-        (no drafting) when none beats plain decoding."""
+        (no drafting) when none beats plain decoding by MARGIN."""
         k = max(range(1, self.max_k + 1), key=lambda k: self.speedup(k, batch))
-        return k if self.speedup(k, batch) > 1.0 else 0
+        return k if self.speedup(k, batch) > MARGIN else 0
 
     @property
     def pays(self) -> bool:
-        """Whether drafting at the best k is predicted to beat plain decoding at all."""
-        return self.speedup(self.best_k) > 1.0
+        """Whether drafting at the best k is predicted to beat plain decoding by MARGIN."""
+        return self.speedup(self.best_k) > MARGIN
 
     def summary(self) -> dict:
         """JSON-ready: the measurements and the predicted speedup of every k."""

@@ -83,9 +83,11 @@ def read_manifest(method: str, path: str | Path | None = None) -> dict:
     pt, js = weight_files(method, path)
     if not pt.exists() or not js.exists():
         missing = pt if not pt.exists() else js
-        raise FileNotFoundError(f"drafter file {missing} is missing: retrain with `make "
-                                f"drafters` (python -m minillm.spec_decode.training.train "
-                                f"{method})")
+        make = "make drafters-corpus` (python -m minillm.spec_decode.training.eagle3)" \
+            if method == "eagle3" else \
+            f"make drafters` (python -m minillm.spec_decode.training.train {method})"
+        raise FileNotFoundError(f"speculative_config method {method!r} needs the drafter file "
+                                f"{missing}, which is missing: make it with `{make}")
     return json.loads(js.read_text())
 
 

@@ -67,8 +67,19 @@ def test_weight_files_are_checked(model, tmp_path):
         load_drafter("eagle", other, path)
     with pytest.raises(ValueError, match="holds a 'eagle' drafter, not 'mtp'"):
         load_drafter("mtp", model, path)
-    with pytest.raises(FileNotFoundError, match="missing.*make drafters"):
+    with pytest.raises(FileNotFoundError, match="method 'eagle' needs .* missing.*make drafters"):
         load_drafter("eagle", model, tmp_path / "nothing.pt")
+    with pytest.raises(FileNotFoundError, match="method 'eagle3' .*make drafters-corpus"):
+        load_drafter("eagle3", model, tmp_path / "nothing3.pt")
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(ValueError, match="does not match its manifest"):
         load_drafter("eagle", model, path)
+
+
+def test_auto_with_a_drafter_that_has_no_weights_names_the_method(model, tmp_path):
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=64, block_size=4, max_num_seqs=4))
+    options = {"method": "eagle3", "num_speculative_tokens": "auto",
+               "drafter": str(tmp_path / "none.pt")}
+    with pytest.raises(FileNotFoundError, match="speculative_config method 'eagle3' needs"):
+        build_speculator(options, engine, calibration_prompts=[[5, 6, 7]])
+    assert not engine.requests and engine.speculator is None      # nothing ran
