@@ -151,7 +151,7 @@ def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4
     or a dict of its keyword arguments (budgets, rates, num_requests, max_tokens, seed).
     ``auto``: instead of the fixed lookaheads, each method with num_speculative_tokens="auto"
     (chosen by measuring when its engine is built; see :mod:`minillm.spec_decode.autotune`)
-    on all kinds at every batch size."""
+    on all kinds at every batch size, three rounds of b requests at batch b > 1."""
     if threads:
         torch.set_num_threads(threads)
     dev = resolve_device(device)
@@ -169,13 +169,14 @@ def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4
             f"{run.mean_accepted:.2f} tokens/round")
         return run
 
+    waves = 3 if auto else 1          # auto: longer runs at batch > 1 (3 rounds of b requests)
     base = {kind: go(None, 0, kind, by_kind[kind], 1) for kind in KINDS}
     for b in batches:
         if b > 1:
-            go(None, 0, "mixed", (mixed * b)[:b], b)
+            go(None, 0, "mixed", (mixed * waves * b)[:waves * b], b)
     for m in methods if auto else ():
         for b in batches:
-            go(m, "auto", "mixed", (mixed * b)[:b] if b > 1 else mixed, b)
+            go(m, "auto", "mixed", (mixed * waves * b)[:waves * b] if b > 1 else mixed, b)
     for m in methods if not auto else ():
         for kind in KINDS:
             go(m, DEFAULT_K[m], kind, by_kind[kind], 1)

@@ -32,6 +32,7 @@ class NgramProposer:
     """Prompt lookup over each sequence's own tokens (:func:`.ngram.prompt_lookup`)."""
 
     hidden_layers: tuple[int, ...] = ()
+    catches_up = True             # it reads the sequence's tokens, whenever it is asked
 
     def __init__(self, k: int, max_n: int = 3, min_n: int = 1) -> None:
         self.k, self.max_n, self.min_n = k, max_n, min_n
@@ -134,6 +135,7 @@ class DraftModelProposer:
     """A small language model drafts a chain of k tokens, one batched step per token."""
 
     hidden_layers: tuple[int, ...] = ()
+    catches_up = True             # it computes every token past its cache, whenever asked
 
     def __init__(self, lm, head: DraftHead, k: int, num_blocks: int, block_size: int) -> None:
         self.lm, self.head, self.k, self.max_nodes = lm, head, k, k
@@ -358,6 +360,7 @@ class MedusaProposer:
     their top-k candidates fill the static sparse tree (:func:`.trees.medusa_tree`)."""
 
     hidden_layers: tuple[int, ...] = (-1,)
+    catches_up = True             # no state: it reads the last hidden state only
 
     def __init__(self, heads, head: DraftHead, accuracy: list[list[float]], k: int,
                  budget: int) -> None:

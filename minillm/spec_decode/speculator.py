@@ -75,6 +75,8 @@ class DraftAndVerify:
         self.calibration: Calibration | None = None   # set when k was "auto"
         self.drafting = True                           # False: propose nothing (plain decoding)
         self._depth_for: dict[int, int] = {}           # batch -> calibration.k_for_batch
+        self._stale: set[int] = set()                  # sequences whose drafter state was
+        #                                                dropped while drafting was off
 
     def propose(self, plan: SchedulerOutput, out: RunnerOutput, done: StepUpdate
                 ) -> dict[int, Draft]:
@@ -82,16 +84,13 @@ class DraftAndVerify:
         share their parent's drafter state (``proposer.fork``)."""
         for child, parent in done.forked.items():
             self.proposer.fork(parent, child)
+            if parent in self._stale:
+                self._stale.add(child)
         inputs = spec_inputs(plan, out, done, self.max_seq_len) if self.drafting else []
+        if inputs and self.calibration is not None:
+            inputs = self._under_load(inputs)
         if not inputs:
             return {}
-        if self.calibration is not None:      # under load, only as deep as pays
-            batch = len(inputs)               # the sequences the next step computes
-            if batch not in self._depth_for:
-                self._depth_for[batch] = self.calibration.k_for_batch(batch)
-            depth = self._depth_for[batch]
-            for inp in inputs:
-                inp.max_depth = min(inp.max_depth, depth)
         start = time.perf_counter()
         drafts = self.proposer.propose(inputs, out.hidden)
         self.stats.propose_seconds += time.perf_counter() - start
@@ -125,7 +124,29 @@ class DraftAndVerify:
         self.stats.verify_seconds += time.perf_counter() - start
         return path, nxt
 
+    def _under_load(self, inputs: list) -> list:
+        """Only as deep as pays for this many sequences (``calibration.k_for_batch``); where
+        nothing does, the drafter does no work at all this step, and a drafter that cannot
+        catch up on the tokens it did not see (``catches_up`` False: it reads the target's
+        hidden states of each step) drops those sequences for good."""
+        batch = len(inputs)                  # the sequences the next step computes
+        if batch not in self._depth_for:
+            self._depth_for[batch] = self.calibration.k_for_batch(batch)
+        depth = self._depth_for[batch]
+        if depth == 0:
+            if not getattr(self.proposer, "catches_up", False):
+                for inp in inputs:
+                    if inp.seq.seq_id not in self._stale:
+                        self._stale.add(inp.seq.seq_id)
+                        self.proposer.release(inp.seq.seq_id)
+            return []
+        inputs = [inp for inp in inputs if inp.seq.seq_id not in self._stale]
+        for inp in inputs:
+            inp.max_depth = min(inp.max_depth, depth)
+        return inputs
+
     def release(self, seq_id: int) -> None:
+        self._stale.discard(seq_id)
         self.proposer.release(seq_id)
 
 

@@ -132,6 +132,7 @@ class SuffixProposer:
     holding at most ``max_cached_tokens`` tokens (oldest outputs leave first)."""
 
     hidden_layers: tuple[int, ...] = ()
+    catches_up = True             # its trie takes whatever tokens it has not seen yet
 
     def __init__(self, k: int, max_depth: int = 24, max_spec_factor: float = 1.0,
                  min_token_prob: float = 0.1, max_cached_tokens: int = 1 << 16) -> None:

@@ -113,3 +113,30 @@ def test_no_drafts_at_a_batch_where_none_pays(model):
     assert all(drafted == 0 for seqs, drafted in depths if seqs > 1), depths
     assert any(drafted > 0 for seqs, drafted in depths if seqs == 1)
     assert_all_free(engine)
+
+
+def test_a_drafter_that_cannot_catch_up_drops_the_sequences_it_did_not_follow(model):
+    """EAGLE reads each step's hidden states: after a step without drafting it lets the
+    sequences of that step go (no drafter work, no drafter blocks), and drafts for new ones."""
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=256, block_size=4, max_num_seqs=4))
+    spec = build_speculator({"method": "eagle", "num_speculative_tokens": 2}, engine,
+                            drafter=random_drafter("eagle", model))
+    reached = [0.9, 0.8]
+    spec.calibration = Calibration("eagle", 2, 0.02, 0.02, 0.0, reached, [1.0, 1.0], True,
+                                   batch_s={2: 0.08, 4: 0.16})
+    engine.use_speculator(spec)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 12)]
+    first = prompts_of([7, 9], seed=2)
+    for p, g in zip(first, greedy):
+        engine.add_request(p, g)
+    stale = set()
+    while engine.has_unfinished():
+        engine.step()
+        stale |= spec._stale
+    assert len(stale) == 2 and spec.stats.rounds == 0   # the long one went on alone, plainly
+    assert not spec._stale and not spec.proposer.cache.blocks.tables   # all released
+    engine.add_request(prompts_of([8], seed=4)[0], greedy[1])
+    while engine.has_unfinished():
+        engine.step()
+    assert spec.stats.rounds > 0                         # a new sequence alone drafts
+    assert_all_free(engine)
