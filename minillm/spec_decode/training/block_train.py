@@ -375,9 +375,8 @@ def run_block(target, data: dict, steps: int | None = None, fresh: bool = False,
     DSpark's heads, shared by dflash, ddtree and dspark) and its manifest."""
     import copy
 
-    from ...runinfo import git_commit
     from .. import weights
-    from .train import CONFIGS, DEFAULT_STEPS, train
+    from .train import CONFIGS, DEFAULT_STEPS, run_facts, train
     fast = copy.deepcopy(target).to(torch.bfloat16)
     bdata = with_block_features(data, fast, CONFIGS["dflash"]["target_layers"])
     del fast
@@ -388,14 +387,11 @@ def run_block(target, data: dict, steps: int | None = None, fresh: bool = False,
     scores = evaluate_block(trained.drafter, trained.head, target, bdata, split(bdata)[1],
                             trained.lookup)
     st = trained.state
-    manifest = {"script": "minillm/spec_decode/training/block_train.py",
-                "data": {"sequences": len(data["prompt_lens"]), "tokens": len(data["tokens"]),
-                         "prompts": "minillm.spec_decode.prompts.training_prompts"},
-                "steps": st.step, "dspark_steps": dspark_steps,
-                "final_loss": round(sum(st.losses[-100:]) / max(1, len(st.losses[-100:])), 4),
-                "heldout_accuracy": scores["dflash"]["acceptance"], "heldout": scores,
-                "commit": git_commit(short=True), "seconds": round(st.seconds, 1),
-                "device": f"{target.device.type} ({torch.get_num_threads()} threads)"}
+    manifest = run_facts("minillm/spec_decode/training/block_train.py",
+                         "minillm.spec_decode.prompts.training_prompts", data, st)
+    manifest |= {"dspark_steps": dspark_steps,
+                 "heldout_accuracy": scores["dflash"]["acceptance"], "heldout": scores,
+                 "device": f"{target.device.type} ({torch.get_num_threads()} threads)"}
     path = weights.save_drafter(trained.drafter, target, trained.cfg, st.draft_ids, manifest,
                                 path=out)
     print(f"dflash: held-out tau {scores['dflash']['tau']} (dspark "

@@ -106,14 +106,22 @@ def load_dataset(data_dir: Path | None = None) -> dict:
         raise FileNotFoundError(f"no distillation shards in {data_dir}: run `python -m "
                                 f"minillm.spec_decode.training.train --data-only` (or make "
                                 f"drafters)")
+    return join_shards(paths)
+
+
+def join_shards(paths: list[Path]) -> dict:
+    """The shards at ``paths`` as one dataset: tokens [N], offsets [S + 1] (rebased),
+    prompt_lens [S], kinds [S], and features [N, D] when the shards hold them."""
     parts = [torch.load(p) for p in paths]
-    base = torch.tensor([0] + [p["offsets"][-1].item() for p in parts]).cumsum(0)
-    return {"tokens": torch.cat([p["tokens"] for p in parts]),
-            "offsets": torch.cat([parts[0]["offsets"][:1]] +
-                                 [p["offsets"][1:] + b for p, b in zip(parts, base)]),
-            "prompt_lens": torch.cat([p["prompt_lens"] for p in parts]),
-            "features": torch.cat([p["features"] for p in parts]),
-            "kinds": [k for p in parts for k in p["kinds"]]}
+    base = torch.tensor([0] + [int(p["offsets"][-1]) for p in parts]).cumsum(0)
+    out = {"tokens": torch.cat([p["tokens"] for p in parts]),
+           "offsets": torch.cat([parts[0]["offsets"][:1]] +
+                                [p["offsets"][1:] + b for p, b in zip(parts, base)]),
+           "prompt_lens": torch.cat([p["prompt_lens"] for p in parts]),
+           "kinds": [k for p in parts for k in p["kinds"]]}
+    if "features" in parts[0]:
+        out["features"] = torch.cat([p["features"] for p in parts])
+    return out
 
 
 # ---------------------------------------------------------------------------------- at scale

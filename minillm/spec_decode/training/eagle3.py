@@ -41,6 +41,7 @@ from .train import (
     evaluate,
     labels_at,
     make_batch,
+    run_facts,
     split,
     train,
 )
@@ -161,14 +162,10 @@ def load_corpus(data_dir: Path | None = None) -> dict:
     if not paths:
         raise FileNotFoundError(f"no corpus shards in {data_dir}: run `python -m "
                                 f"minillm.spec_decode.training.distill`")
-    parts = [torch.load(p) for p in paths]
-    base = torch.tensor([0] + [int(p["offsets"][-1]) for p in parts]).cumsum(0)
-    return {"tokens": torch.cat([p["tokens"] for p in parts]),
-            "offsets": torch.cat([parts[0]["offsets"][:1]] +
-                                 [p["offsets"][1:] + b for p, b in zip(parts, base)]),
-            "prompt_lens": torch.cat([p["prompt_lens"] for p in parts]),
-            "kinds": [k for p in parts for k in p["kinds"]],
-            "heldout": len(parts[-1]["prompt_lens"]) if len(parts) > 1 else 0}
+    data = distill.join_shards(paths)
+    data["heldout"] = len(torch.load(paths[-1], mmap=True)["prompt_lens"]) \
+        if len(paths) > 1 else 0
+    return data
 
 
 def train_eagle3(target: Transformer, data: dict, steps: int,
@@ -191,13 +188,10 @@ def run(target: Transformer, data: dict, steps: int | None = None, fresh: bool =
                       trained.lookup, BATCH, WIDTH, whole=True,
                       states_fn=lambda d, t, b: eval_states(d, t, b, served))
     st = trained.state
-    manifest = {"script": "minillm/spec_decode/training/eagle3.py",
-                "data": {"sequences": len(data["prompt_lens"]), "tokens": len(data["tokens"]),
-                         "prompts": "minillm.spec_decode.training.corpus.corpus_prompts"},
-                "steps": st.step, "ttt_steps": STEPS,
-                "final_loss": round(sum(st.losses[-100:]) / max(1, len(st.losses[-100:])), 4),
-                "heldout_accuracy": scores["heldout_accuracy"], "seconds": round(st.seconds, 1),
-                "features_dtype": str(served.dtype).removeprefix("torch.")}
+    manifest = run_facts("minillm/spec_decode/training/eagle3.py",
+                         "minillm.spec_decode.training.corpus.corpus_prompts", data, st)
+    manifest |= {"ttt_steps": STEPS, "heldout_accuracy": scores["heldout_accuracy"],
+                 "features_dtype": str(served.dtype).removeprefix("torch.")}
     path = weights.save_drafter(trained.drafter, target, trained.cfg, st.draft_ids, manifest,
                                 path=out)
     print(f"eagle3: held-out accuracy by step {scores['heldout_accuracy']} -> {path}")
