@@ -73,8 +73,8 @@ def ttt_mask(step: int, t: int, device=None) -> torch.Tensor:
 
 class StepCache:
     """The keys and values of the earlier training-time test steps, per layer: each call of
-    ``attend`` adds this step's and attends with :func:`ttt_mask`. Call ``next_step`` before
-    every step after the first."""
+    ``attend`` adds this step's and attends with :func:`ttt_mask` (the step is the number of
+    calls for that layer so far); one StepCache per batch."""
 
     def __init__(self) -> None:
         self.keys: dict[int, list[torch.Tensor]] = {}
