@@ -372,17 +372,19 @@ def sec_quant(d: dict) -> list[str]:
     return out + [""] + figure("bench_quant", "quantization benchmark")
 
 
-def sec_spec(d: dict) -> list[str]:
+def spec_batch_table(d: dict, name: str, title: str, command: str) -> list[str]:
+    """A ``bench spec`` report's heading, run facts and table of speedups per method and kind
+    at batch 1 (and per batch size on mixed prompts), at each method's default k."""
     cfg = d["config"]
     runs = d["runs"]
     default_k = cfg["default_k"]
-    out = ["### Speculative decoding (CPU)", ""]
+    out = [f"### {title}", ""]
     out += [f"{cfg['model']}, {cfg['dtype']}, greedy, {cfg['prompts_per_kind']} held-out prompts "
             f"per kind in the chat template, {cfg['max_tokens']} tokens; trees of "
             f"{cfg['tree_nodes']} nodes; load average {loads(cfg.get('load_average'))} before, "
             f"{loads(cfg.get('load_average_after'))} after. Speedup is over the same engine "
             f"without speculation.", ""]
-    out += about(d, "spec", "python -m minillm bench spec")
+    out += about(d, name, command)
 
     def run(method: str, k: int, kind: str, batch: int) -> dict | None:
         return next((r for r in runs if (r["method"], r["k"], r["kind"], r["batch"]) ==
@@ -394,10 +396,12 @@ def sec_spec(d: dict) -> list[str]:
         f"{num(r['tokens_per_s'])} tok/s on {r['kind']} prompts" for r in plain if r) +
         (f"; {num(next(iter(cost.values()))['plain_ms_per_token'])} ms per token."
          if cost else "."), ""]
-    out += [caption(d, "spec"), ""]
+    out += [caption(d, name), ""]
     batches = sorted({r["batch"] for r in runs if r["kind"] == "mixed" and r["batch"] > 1})
     body = []
     for method, k in default_k.items():
+        if not any(r["method"] == method for r in runs):
+            continue
         mixed = run(method, k, "mixed", 1)
         body.append([f"{method} ({k})"] +
                     [times(r["speedup"]) if (r := run(method, k, kind, 1)) else "-"
@@ -410,6 +414,22 @@ def sec_spec(d: dict) -> list[str]:
     out += table(["method (k)", "chat", "grounded", "free", "tokens/round (mixed)",
                   "acceptance by position (mixed)", "drafter ms/round"] +
                  [f"batch {b}" for b in batches], body)
+    return out
+
+
+def sec_ch06_spec(d: dict) -> list[str]:
+    return spec_batch_table(d, "ch06_spec", "Speculative decoding, chapter 06's benchmark run",
+                            "a full run of chapters/06_speculative_decoding.ipynb") + [""]
+
+
+def sec_spec(d: dict) -> list[str]:
+    runs = d["runs"]
+    default_k = d["config"]["default_k"]
+    out = spec_batch_table(d, "spec", "Speculative decoding (CPU)", "python -m minillm bench spec")
+
+    def run(method: str, k: int, kind: str, batch: int) -> dict | None:
+        return next((r for r in runs if (r["method"], r["k"], r["kind"], r["batch"]) ==
+                     (method, k, kind, batch)), None)
 
     ks = sorted({r["k"] for r in runs if r["kind"] == "mixed" and r["batch"] == 1 and r["k"]})
     out += ["", "Speedup at batch 1 on mixed prompts by lookahead k:", "", caption(d, "spec"), ""]
@@ -881,7 +901,7 @@ CPU_SECTIONS: list[tuple[str, Callable[[dict], list[str]]]] = [
     ("cpu_forward", sec_cpu_forward), ("cpu_attention", sec_cpu_attention),
     ("runtime", sec_runtime), ("quant_matmul", sec_quant_matmul),
     ("packed_linear", sec_packed_linear), ("quant", sec_quant), ("spec", sec_spec),
-    ("spec_auto", sec_spec_auto),
+    ("spec_auto", sec_spec_auto), ("ch06_spec", sec_ch06_spec),
     ("chunked", sec_chunked), ("disagg", sec_disagg), ("prefix", sec_prefix),
     ("serve", sec_serve), ("serve_rate16", sec_serve_rate16)]
 GPU_SECTIONS: list[tuple[str, Callable[[dict], list[str]]]] = [

@@ -67,8 +67,8 @@ ALLOWED: dict[str, set[str]] = {
     "driver": {"config", "engine", "serving_metrics", "workloads"},
     # chapter material and tools
     "course": {"attention", "cache", "config", "device", "driver", "engine", "model",
-               "serving_metrics", "structured", "workloads"},
-    "viz": {"cache", "config", "course", "device", "parallel", "sampling"},
+               "serving_metrics", "spec_decode", "structured", "workloads"},
+    "viz": {"cache", "config", "course", "device", "parallel", "sampling", "spec_decode"},
     "bench": {"cache", "checkpoint", "config", "device", "disagg", "driver", "engine",
               "evaluate", "generate", "model", "quant", "runinfo", "runtime",
               "serving_metrics", "spec_decode", "viz", "workloads"},

@@ -36,7 +36,7 @@ from ..config import SamplingParams
 from ..device import resolve_device, serving_dtype
 from ..engine import EngineConfig, LLMEngine
 from ..runinfo import machine_info
-from ..spec_decode.autotune import acceptance_rate
+from ..spec_decode.autotune import acceptance_rate, leviathan_speedup
 from ..spec_decode.config import BLOCK_METHODS, MAX_TOKENS
 from ..spec_decode.prompts import KINDS, benchmark_prompts
 from ..spec_decode.speculator import SpecStats, build_speculator
@@ -137,9 +137,8 @@ def expected_speedup(run: Run, base_seconds_per_token: float) -> float:
     """Leviathan et al.'s formula from the run's measured acceptance and drafter cost."""
     if not run.rounds:
         return 1.0
-    a = acceptance_rate(run.mean_accepted, run.k)
     kc = run.propose_seconds / run.rounds / base_seconds_per_token
-    return (1 - a ** (run.k + 1)) / ((1 - a) * (kc + 1))
+    return leviathan_speedup(acceptance_rate(run.mean_accepted, run.k), run.k, kc / run.k)
 
 
 def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4, 6, 8),

@@ -60,6 +60,14 @@ def acceptance_rate(mean_tokens: float, k: int) -> float:
     return lo
 
 
+def leviathan_speedup(alpha: float, k: int, c: float) -> float:
+    """Leviathan et al.'s expected speedup, (1 - a^(k+1)) / ((1 - a)(k c + 1)): acceptance
+    ``alpha`` per drafted token, lookahead ``k``, drafter cost ``c`` per drafted token in target
+    steps, a verify pass counted as one step."""
+    tokens = k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + 1)
+
+
 @dataclass
 class Calibration:
     """What one calibration measured, and the k it chose. ``reached[i]`` / ``nodes[i]``: per

@@ -51,29 +51,34 @@ def plot_throughput(report: dict):
 
 
 def plot_spec(report: dict):
-    """Speculative decoding: acceptance by draft position, speedup vs lookahead k (batch 1)
-    and speedup vs batch size, one colour per method."""
+    """Speculative decoding: acceptance by draft position (batch 1), speedup vs lookahead k
+    (batch 1; only when the report swept k) and speedup vs batch size, one colour per
+    method."""
     runs = [r for r in report["runs"] if r["method"] != "none"]
     methods = list(dict.fromkeys(r["method"] for r in runs))
     default = report["config"]["default_k"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    mixed1 = {m: [r for r in runs if r["method"] == m and r["kind"] == "mixed" and r["batch"] == 1]
+              for m in methods}
+    swept = any(len({r["k"] for r in rows}) > 1 for rows in mixed1.values())
+    fig, axes = plt.subplots(1, 3 if swept else 2, figsize=(15 if swept else 10, 4))
     for i, m in enumerate(methods):
         c = f"C{i}"
-        mixed = [r for r in runs if r["method"] == m and r["kind"] == "mixed"]
-        best = max((r for r in mixed if r["batch"] == 1 and r["k"] == default.get(m, r["k"])),
+        best = max((r for r in mixed1[m] if r["k"] == default.get(m, r["k"])),
                    key=lambda r: r["rounds"], default=None)
         if best and best["acceptance"]:
             acc = best["acceptance"]
             axes[0].plot(range(1, len(acc) + 1), acc, "o-", color=c, label=f"{m} (k={best['k']})")
-        sweep = sorted((r for r in mixed if r["batch"] == 1), key=lambda r: r["k"])
-        axes[1].plot([r["k"] for r in sweep], [r["speedup"] for r in sweep], "o-", color=c,
-                     label=m)
-    speedup_by_batch(axes[2], report)
+        if swept:
+            sweep = sorted(mixed1[m], key=lambda r: r["k"])
+            axes[1].plot([r["k"] for r in sweep], [r["speedup"] for r in sweep], "o-", color=c,
+                         label=m)
+    speedup_by_batch(axes[-1], report)
     axes[0].set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02),
                 title="acceptance by position (batch 1)")
-    axes[1].set(xlabel="lookahead k (tree depth)", ylabel="speedup over no speculation",
-                title="speedup vs k (batch 1)")
-    axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
+    if swept:
+        axes[1].set(xlabel="lookahead k (tree depth)", ylabel="speedup over no speculation",
+                    title="speedup vs k (batch 1)")
+        axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
     for ax in axes:
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from ..spec_decode.autotune import leviathan_speedup
+
 KEPT, ACCEPTED, PRUNED = "tab:blue", "tab:green", "lightgrey"
 
 
@@ -96,7 +98,7 @@ def plot_tree(tokens: Sequence[int], parents: Sequence[int], labels: Sequence[st
     keep = set(kept) if kept is not None else set(range(1, len(tokens) + 1))
     path = set(accepted or ())
     leaves = max(x) + 1
-    fig, ax = plt.subplots(figsize=(min(24, max(6, 0.42 * leaves)), 1.3 + 1.1 * max(depth)))
+    fig, ax = plt.subplots(figsize=(min(24, max(6, 0.5 * leaves)), 1.8 + 1.1 * max(depth)))
     for i, p in enumerate(parents, start=1):
         on_path = i in path and (p == 0 or p in path)
         ax.plot([x[p], x[i]], [-depth[p], -depth[i]], lw=2.2 if on_path else 0.8,
@@ -114,7 +116,7 @@ def plot_tree(tokens: Sequence[int], parents: Sequence[int], labels: Sequence[st
     ax.set_yticks([-d for d in range(max(depth) + 1)],
                   ["root"] + [f"depth {d}" for d in range(1, max(depth) + 1)])
     ax.set_xticks([])
-    ax.set_ylim(-max(depth) - 0.9, 0.6)
+    ax.set_ylim(-max(depth) - 1.3, 0.6)
     ax.set_xlim(-0.7, leaves - 0.3)
     for side in ("top", "right", "bottom"):
         ax.spines[side].set_visible(False)
@@ -163,5 +165,106 @@ def plot_speedups(rows: dict[str, tuple[float, float]],
     return fig
 
 
-__all__ = ["plot_acceptance", "plot_distribution_check", "plot_forward_cost", "plot_speedups",
+def plot_leviathan(alpha: float, k: int, c: float,
+                   measured: dict[str, tuple[int, float, float, float]] | None = None,
+                   max_k: int = 12) -> plt.Figure:
+    """Leviathan's expected speedup against the lookahead for acceptance ``alpha`` and drafter
+    cost ``c`` (per drafted token, in target steps), lookahead ``k`` marked; left, the same
+    curve for the neighbouring alphas; right, the speedup as c varies at this alpha and k.
+    ``measured``: {name: (k, alpha solved from tokens per round, c, measured speedup)} drawn
+    as points at their own k (left) and c (right)."""
+    ks = np.arange(1, max_k + 1)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for a in sorted({round(alpha + d, 2) for d in (-0.2, -0.1, 0.1, 0.2)} - {alpha}):
+        if 0 <= a < 1:
+            ax.plot(ks, [leviathan_speedup(a, int(x), c) for x in ks], color="lightgrey",
+                    lw=1)
+            ax.annotate(f"a={a:.1f}", (ks[-1], leviathan_speedup(a, max_k, c)), fontsize=7,
+                        color="grey", xytext=(3, 0), textcoords="offset points", va="center")
+    ax.plot(ks, [leviathan_speedup(alpha, int(x), c) for x in ks], "-", color="tab:blue",
+            label=f"a = {alpha:.2f}, c = {c:.2f}")
+    ax.plot([k], [leviathan_speedup(alpha, k, c)], "o", color="tab:blue", ms=9)
+    cs = np.linspace(0, max(0.6, 1.5 * c), 61)
+    bx.plot(cs, [leviathan_speedup(alpha, k, float(x)) for x in cs], color="tab:blue",
+            label=f"a = {alpha:.2f}, k = {k}")
+    bx.plot([c], [leviathan_speedup(alpha, k, c)], "o", color="tab:blue", ms=9)
+    for i, (name, (mk, ma, mc, ms)) in enumerate((measured or {}).items()):
+        colour = plt.cm.tab10((i + 1) % 10)
+        ax.plot([mk], [ms], "s", color=colour, label=f"{name}: a={ma:.2f}, c={mc:.2f}")
+        bx.plot([mc], [ms], "s", color=colour)
+    for a_ in (ax, bx):
+        a_.axhline(1.0, color="grey", lw=0.8, ls="--")
+        a_.set_ylabel("speedup over plain decoding")
+    ax.set(xlabel="lookahead k", title="expected speedup against k (squares: measured)",
+           xlim=(0.5, max_k + 1.5))
+    ax.set_xticks(ks)
+    bx.set(xlabel="drafter cost c per drafted token (target steps)",
+           title="the same, against the drafter's cost")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3)
+    bx.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_k_choice(predicted: dict[str, dict[int, float]], chosen: dict[str, int],
+                  measured: dict[str, dict[int, float]] | None = None,
+                  margin: float = 1.0) -> plt.Figure:
+    """Per method, the calibration's predicted speedup at every lookahead (lines) and the k it
+    chose (a ring); ``measured``: {method: {k: measured speedup}} as squares; ``margin``: the
+    predicted speedup below which the engine does not draft (dotted)."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for i, (name, curve) in enumerate(predicted.items()):
+        colour = plt.cm.tab10(i % 10)
+        ks = sorted(curve)
+        ax.plot(ks, [curve[k] for k in ks], "-", color=colour, label=f"{name} (predicted)")
+        k = chosen[name]
+        ax.plot([k], [curve[k]], "o", ms=11, mfc="none", mec=colour, mew=2)
+        for mk, ms in (measured or {}).get(name, {}).items():
+            ax.plot([mk], [ms], "s", color=colour)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    if margin > 1:
+        ax.axhline(margin, color="grey", lw=0.8, ls=":")
+    ax.set(xlabel="lookahead k", ylabel="speedup over plain decoding (batch 1)",
+           title="k chosen from measurement (ring); squares: measured")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_sampled_positions(comparisons: dict, decode, top: int = 5) -> plt.Figure:
+    """Per method (rows) and position (columns), the ``top`` most likely tokens' probability
+    under the exact distribution (outline) and their share among the plain engine's and the
+    speculative engine's samples (bars). ``comparisons``: {name:
+    :class:`~minillm.course.ch06_sampling.SampledComparison`}; ``decode(token) -> str``."""
+    from ..course.ch06_sampling import marginal
+
+    names = list(comparisons)
+    positions = comparisons[names[0]].positions
+    fig, axes = plt.subplots(len(names), positions, figsize=(3.7 * positions, 2.9 * len(names)),
+                             squeeze=False)
+    for row, name in enumerate(names):
+        comp = comparisons[name]
+        for pos in range(positions):
+            ax = axes[row][pos]
+            exact = marginal(comp.exact, pos)
+            tokens = sorted(exact, key=exact.get, reverse=True)[:top]
+            x = np.arange(len(tokens))
+            plain, spec = marginal(comp.plain, pos), marginal(comp.spec, pos)
+            ax.bar(x - 0.2, [plain.get(t, 0) / comp.samples for t in tokens], 0.4,
+                   color="tab:grey", label="plain engine")
+            ax.bar(x + 0.2, [spec.get(t, 0) / comp.samples for t in tokens], 0.4,
+                   color="tab:blue", label="speculative engine")
+            ax.bar(x, [exact[t] for t in tokens], 0.8, fill=False, edgecolor="black", lw=1,
+                   label="exact")
+            ax.set_xticks(x, [_short(decode(t), 9) for t in tokens], fontsize=7, rotation=30)
+            ax.set_title(f"{name}: token {pos + 1}", fontsize=9)
+            if pos == 0:
+                ax.set_ylabel("probability")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["plot_acceptance", "plot_distribution_check", "plot_forward_cost",
+           "plot_k_choice", "plot_leviathan", "plot_sampled_positions", "plot_speedups",
            "plot_tree", "tree_layout"]

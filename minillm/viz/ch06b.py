@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.colors import LogNorm
 from matplotlib.ticker import NullFormatter
 
 from .ch06 import ACCEPTED, _short, tree_layout
@@ -61,7 +62,9 @@ def plot_ddtree(labels: Sequence[str], parents: Sequence[int], probs: Sequence[f
     path = set(accepted)
     leaves = max(x) + 1
     cmap = plt.get_cmap("viridis")
-    fig, ax = plt.subplots(figsize=(min(24, max(6, 0.55 * leaves)), 1.6 + 1.2 * max(depth)))
+    shown = np.asarray(probs, dtype=float)
+    norm = LogNorm(vmin=max(float(shown.min()), 1e-4), vmax=max(float(shown.max()), 2e-4))
+    fig, ax = plt.subplots(figsize=(min(24, max(6, 0.8 * leaves)), 1.6 + 1.2 * max(depth)))
     for i, p in enumerate(parents, start=1):
         on = i in path and (p == 0 or p in path)
         ax.plot([x[p], x[i]], [-depth[p], -depth[i]], lw=2.4 if on else 0.8,
@@ -70,15 +73,15 @@ def plot_ddtree(labels: Sequence[str], parents: Sequence[int], probs: Sequence[f
     ax.annotate(root_label, (x[0], 0), xytext=(0, 9), textcoords="offset points", ha="center",
                 fontsize=8)
     sc = ax.scatter([x[i] for i in range(1, len(x))], [-depth[i] for i in range(1, len(x))],
-                    c=np.asarray(probs, dtype=float), cmap=cmap, vmin=0, vmax=1, s=70,
+                    c=np.clip(shown, norm.vmin, None), cmap=cmap, norm=norm, s=70,
                     edgecolors=[ACCEPTED if i in path else "none" for i in range(1, len(x))],
                     linewidths=2.0, zorder=2)
     for i in range(1, len(x)):
-        ax.annotate(f"{_short(labels[i - 1])} {probs[i - 1]:.2f}", (x[i], -depth[i]),
-                    xytext=(0, -8), textcoords="offset points", ha="center", va="top",
-                    rotation=90, fontsize=7, zorder=3,
+        ax.annotate(f"{_short(labels[i - 1], 9)}\n{probs[i - 1]:.2g}", (x[i], -depth[i]),
+                    xytext=(0, -7), textcoords="offset points", ha="center", va="top",
+                    fontsize=7, zorder=3,
                     bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.85))
-    fig.colorbar(sc, ax=ax, fraction=0.03, pad=0.01, label="path probability (drafter)")
+    fig.colorbar(sc, ax=ax, fraction=0.03, pad=0.01, label="path probability (drafter, log scale)")
     ax.set_yticks([-d for d in range(max(depth) + 1)],
                   ["root"] + [f"depth {d}" for d in range(1, max(depth) + 1)])
     ax.set_xticks([])

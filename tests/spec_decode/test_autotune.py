@@ -11,7 +11,7 @@ from test_spec_engine import random_drafter, repetitive
 from minillm import SamplingParams
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.spec_decode import build_speculator
-from minillm.spec_decode.autotune import Calibration, acceptance_rate
+from minillm.spec_decode.autotune import Calibration, acceptance_rate, leviathan_speedup
 
 
 @pytest.mark.parametrize("a, c", [(0.8, 0.05), (0.6, 0.2), (0.3, 0.5)])
@@ -26,6 +26,8 @@ def test_prediction_is_leviathans_formula_under_its_assumptions(a, c):
     best = max(range(1, K + 1), key=lambda k: (1 - a ** (k + 1)) / ((1 - a) * (1 + k * c)))
     assert cal.best_k == best
     assert acceptance_rate(cal.tokens(K), K) == pytest.approx(a, abs=1e-6)
+    assert leviathan_speedup(a, 4, c) == pytest.approx(cal.speedup(4))
+    assert leviathan_speedup(1.0, 4, c) == pytest.approx(5 / (1 + 4 * c))   # every token kept
 
 
 def test_a_costly_verification_shortens_k():
@@ -70,7 +72,7 @@ def test_auto_keeps_the_best_measured_k_and_serves_the_targets_tokens(model, met
         assert sum(cal.reached) > 0.5
         assert spec.drafting == cal.pays
     else:                                    # a random drafter is not: no k pays, no drafts
-        assert sum(cal.reached) < 0.1 and cal.best_k == 1
+        assert sum(cal.reached) < 0.1        # (which k is "best" among losers is timing noise)
         assert not cal.pays and not spec.drafting
     assert not engine.requests and not engine.trace and engine.speculator is None
     assert set(cal.batch_s) == {4}                 # max_num_seqs=4: the larger ones do not fit

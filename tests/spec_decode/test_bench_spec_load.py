@@ -132,7 +132,11 @@ def test_drafter_cost_per_round_and_the_part1_plot(model):
     assert cost["draft_ms_per_round"] == pytest.approx(1e3 * spec.propose_seconds / spec.rounds)
     assert cost["plain_ms_per_token"] == pytest.approx(1e3 * base.seconds / base.tokens)
     fig = plot_spec(report)
-    assert isinstance(fig, plt.Figure)
+    assert isinstance(fig, plt.Figure) and len(fig.axes) == 3      # k = 2 and 6: a sweep
+    plt.close(fig)
+    no_sweep = dict(report, runs=[r for r in report["runs"] if r["k"] != 2])
+    fig = plot_spec(no_sweep)
+    assert len(fig.axes) == 2                                        # no k panel
     plt.close(fig)
 
 

@@ -33,3 +33,19 @@ def test_plots_return_figures():
 def test_plot_tree_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="one entry per node"):
         ch06.plot_tree([1, 2], [0], ["a", "b"])
+
+
+def test_new_plots_return_figures():
+    from collections import Counter
+
+    from minillm.course.ch06_sampling import SampledComparison
+
+    exact = {(1, 2): 0.5, (1, 3): 0.3, (4, 2): 0.2}
+    comp = SampledComparison(exact, Counter({(1, 2): 5, (1, 3): 3, (4, 2): 2}),
+                             Counter({(1, 2): 4, (1, 3): 4, (4, 2): 2}), 10, 2, [0.5], (1, 2))
+    figs = [ch06.plot_leviathan(0.6, 4, 0.1, {"eagle": (5, 0.4, 0.2, 1.1)}),
+            ch06.plot_k_choice({"ngram": {1: 1.1, 2: 1.3, 3: 1.2}}, {"ngram": 2},
+                               {"ngram": {2: 1.25}}, margin=1.1),
+            ch06.plot_sampled_positions({"chain": comp, "tree": comp}, str)]
+    assert all(isinstance(f, plt.Figure) for f in figs)
+    plt.close("all")
