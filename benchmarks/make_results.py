@@ -474,6 +474,13 @@ def sec_spec(d: dict) -> list[str]:
         figure("bench_spec_load", "speculation under load")
 
 
+def speedup_cell(run: dict) -> str:
+    """A run's speedup, with the range of its paired runs when it has them."""
+    pairs = run.get("paired_speedups") or []
+    spread = f" ({min(pairs):.2f}-{max(pairs):.2f})" if len(pairs) > 1 else ""
+    return times(run["speedup"]) + spread
+
+
 def sec_spec_auto(d: dict) -> list[str]:
     cfg, runs = d["config"], d["runs"]
     out = ["### Speculative decoding with the lookahead chosen by measuring (CPU)", ""]
@@ -483,10 +490,15 @@ def sec_spec_auto(d: dict) -> list[str]:
             "step at batch 1, 4, 16 and 64 when built, keeps the lookahead k of the best "
             "predicted speedup at batch 1 (the k column), and under load drafts only as deep "
             "as pays for the sequences in each step (0: not at all). Speedup is over the "
-            "plain engine at the same batch size; each cell is one short run, so differences "
-            "of a few per cent are within the run-to-run spread.", ""]
-    out += about(d, "spec_auto", "python -m minillm bench spec --auto --batches 1 16 64 --out "
-                 "benchmarks/results/spec_auto.json")
+            "plain engine at the same batch size; "
+            + (f"at batch sizes above 1, the median of {cfg['repeats']} pairs of runs "
+               "alternating plain and speculative, the pairs' range in brackets."
+               if cfg.get("repeats", 1) > 1 else
+               "each cell is one short run, so differences of a few per cent are within the "
+               "run-to-run spread."), ""]
+    repeats = f" --repeats {cfg['repeats']}" if cfg.get("repeats", 1) > 1 else ""
+    out += about(d, "spec_auto", f"python -m minillm bench spec --auto --batches 1 16 64{repeats} "
+                 "--out benchmarks/results/spec_auto.json")
     batches = sorted({r["batch"] for r in runs})
     auto = [r for r in runs if r["method"].endswith(" auto")]
     methods = list(dict.fromkeys(r["method"] for r in auto))
@@ -495,7 +507,7 @@ def sec_spec_auto(d: dict) -> list[str]:
         by_batch = {r["batch"]: r for r in auto if r["method"] == m}
         one = by_batch.get(1)
         body.append([m.removesuffix(" auto"), one["k"] if one else "-"] +
-                    [times(by_batch[b]["speedup"]) if b in by_batch else "-" for b in batches] +
+                    [speedup_cell(by_batch[b]) if b in by_batch else "-" for b in batches] +
                     [num(by_batch[b]["mean_accepted"], 2) if b in by_batch else "-"
                      for b in batches])
     out += [caption(d, "spec_auto"), ""]

@@ -27,7 +27,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from statistics import median
 
 import torch
 
@@ -64,6 +65,7 @@ class Run:
     propose_seconds: float
     rounds: int
     nodes_per_round: float = 0.0
+    paired_speedups: list[float] = field(default_factory=list)   # see :func:`measure_paired`
 
     @property
     def rate(self) -> float:
@@ -78,11 +80,13 @@ def chat_prompts(tok, kind: str, n: int) -> list[list[int]]:
 
 
 def make_engine(model, tok, method: str | None, k: int, max_seqs: int, *,
-                extra: dict | None = None, drafter=None) -> LLMEngine:
+                extra: dict | None = None, drafter=None,
+                calibration_prompts: list[list[int]] | None = None) -> LLMEngine:
     """The engine of every measurement: ``max_seqs`` sequences at once, speculating with
     ``method`` (None: plain) at lookahead ``k``. ``extra``: more speculative_config keys
     (tree_nodes, default :data:`TREE_NODES`; verify_budget, ...); ``drafter``: (module, head,
-    manifest) instead of the packaged weights (random-weight models in tests)."""
+    manifest) instead of the packaged weights (random-weight models in tests);
+    ``calibration_prompts``: for k="auto" without a tokenizer."""
     options = {"method": method, "num_speculative_tokens": k, "tree_nodes": TREE_NODES,
                **(extra or {})}
     deepest = MAX_TOKENS.get(method, 0) if k == "auto" else k
@@ -90,7 +94,8 @@ def make_engine(model, tok, method: str | None, k: int, max_seqs: int, *,
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=max_seqs, num_kv_blocks=64 * 40,
                                                 max_num_batched_tokens=budget))
     if method is not None:
-        engine.use_speculator(build_speculator(options, engine, drafter=drafter))
+        engine.use_speculator(build_speculator(options, engine, drafter=drafter,
+                                               calibration_prompts=calibration_prompts))
     return engine
 
 
@@ -133,6 +138,33 @@ def measure(model, tok, method: str | None, k: int, kind: str, prompts: list[lis
                s.nodes / s.rounds if s and s.rounds else 0.0)
 
 
+def measure_paired(model, tok, method: str, prompts: list[list[int]], batch: int,
+                   params: SamplingParams, repeats: int, *,
+                   calibration_prompts: list[list[int]] | None = None) -> Run:
+    """``repeats`` rounds of the same ``prompts`` ``batch`` at a time, alternating between the
+    plain engine and one speculating with ``method`` at num_speculative_tokens="auto" (each
+    built and warmed up once): the speculative run, totalled over the rounds, with
+    ``paired_speedups`` [repeats], each round's tokens/s over the plain round just before it.
+    A slow moment of the machine then slows both halves of one pair, not one side of the
+    comparison. ``calibration_prompts``: as in :func:`make_engine`."""
+    plain = make_engine(model, tok, None, 0, batch)
+    spec = make_engine(model, tok, method, "auto", batch,
+                       calibration_prompts=calibration_prompts)
+    for engine in (plain, spec):
+        warm_up(engine, prompts[0])
+    seconds = tokens = 0.0
+    ratios = []
+    for _ in range(repeats):
+        p_s, p_t = run_in_batches(plain, prompts, params, batch)
+        s_s, s_t = run_in_batches(spec, prompts, params, batch)
+        ratios.append((s_t / s_s) / (p_t / p_s))
+        seconds, tokens = seconds + s_s, tokens + s_t
+    s = spec.speculator.stats
+    return Run(f"{method} auto", spec.speculator.config.num_speculative_tokens, "mixed", batch,
+               seconds, int(tokens), s.acceptance_by_position, s.mean_accepted,
+               s.propose_seconds, s.rounds, s.nodes / s.rounds if s.rounds else 0.0, ratios)
+
+
 def expected_speedup(run: Run, base_seconds_per_token: float) -> float:
     """Leviathan et al.'s formula from the run's measured acceptance and drafter cost."""
     if not run.rounds:
@@ -144,13 +176,17 @@ def expected_speedup(run: Run, base_seconds_per_token: float) -> float:
 def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4, 6, 8),
                    batches=(1, 4, 16, 64), prompts_per_kind: int = 3, max_tokens: int = 64,
                    device=None, dtype=None, threads: int | None = None, log=print,
-                   load: bool | dict = False, auto: bool = False) -> dict:
+                   load: bool | dict = False, auto: bool = False, repeats: int = 1) -> dict:
     """Every measurement of the module docstring; returns the report (JSON-ready). ``load``:
     also speculation under load (:func:`.spec_load.run_load_sweeps`), True with its defaults
     or a dict of its keyword arguments (budgets, rates, num_requests, max_tokens, seed).
     ``auto``: instead of the fixed lookaheads, each method with num_speculative_tokens="auto"
     (chosen by measuring when its engine is built; see :mod:`minillm.spec_decode.autotune`)
-    on all kinds at every batch size, three rounds of b requests at batch b > 1."""
+    on all kinds at every batch size, three rounds of b requests at batch b > 1; with
+    ``repeats`` > 1, batches b > 1 alternate plain and speculative runs (:func:`measure_paired`)
+    and the speedup is the median of the pairs."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     if threads:
         torch.set_num_threads(threads)
     dev = resolve_device(device)
@@ -175,7 +211,14 @@ def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4
             go(None, 0, "mixed", (mixed * waves * b)[:waves * b], b)
     for m in methods if auto else ():
         for b in batches:
-            go(m, "auto", "mixed", (mixed * waves * b)[:waves * b] if b > 1 else mixed, b)
+            if b > 1 and repeats > 1:
+                run = measure_paired(target, tok, m, (mixed * waves * b)[:waves * b], b, params,
+                                     repeats)
+                runs.append(run)
+                log(f"{run.method:>11} k={run.k} batch {b:>2}: paired speedups "
+                    + " ".join(f"{x:.2f}" for x in run.paired_speedups))
+            else:
+                go(m, "auto", "mixed", (mixed * waves * b)[:waves * b] if b > 1 else mixed, b)
     for m in methods if not auto else ():
         for kind in KINDS:
             go(m, DEFAULT_K[m], kind, by_kind[kind], 1)
@@ -189,6 +232,7 @@ def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4
                        {"model": model, "dtype": dtype_name(dtype), "dtype_reason": reason,
                         "max_tokens": max_tokens, "prompts_per_kind": prompts_per_kind,
                         "default_k": DEFAULT_K, "tree_nodes": TREE_NODES, "auto": auto,
+                        "repeats": repeats,
                         "load_average": os.getloadavg()})
     if load:
         from .spec_load import run_load_sweeps  # it builds on this module
@@ -207,7 +251,8 @@ def report_of(runs: list[Run], base: dict[str, Run], machine: dict, config: dict
     rows = []
     for r in runs:
         ref = plain[(r.kind, r.batch)]
-        row = asdict(r) | {"tokens_per_s": r.rate, "speedup": r.rate / ref.rate}
+        speedup = median(r.paired_speedups) if r.paired_speedups else r.rate / ref.rate
+        row = asdict(r) | {"tokens_per_s": r.rate, "speedup": speedup}
         if r.method != "none" and r.batch == 1:
             row["expected_speedup"] = expected_speedup(r, ref.seconds / ref.tokens)
         rows.append(row)
@@ -270,6 +315,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auto", action="store_true",
                         help="each method with num_speculative_tokens='auto' at every batch "
                              "size, instead of the fixed lookaheads (no load sweeps)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="with --auto: rounds of alternating plain and speculative runs at "
+                             "batch > 1, speedup = their median (default: %(default)s)")
     load.add_argument("--load", action=argparse.BooleanOptionalAction, default=True,
                       help="equal-budget and request-rate sweeps (default: on, off with --part1)")
     load.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS),
@@ -300,7 +348,7 @@ def main(args: argparse.Namespace) -> int:
                             load=load and {"budgets": args.budgets, "rates": args.rates,
                                            "num_requests": args.load_requests,
                                            "max_tokens": args.load_tokens},
-                            auto=args.auto)
+                            auto=args.auto, repeats=args.repeats)
     write_report(args, report, f"{spec_table(report)}\n\n{spec_load_tables(report)}", plot_spec)
     if load and args.figure != "none":
         path = Path(args.figure)

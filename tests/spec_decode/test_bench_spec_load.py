@@ -15,7 +15,15 @@ from test_spec_blocks import block_drafter
 from test_spec_engine import assert_drafter_free
 
 from minillm import SamplingParams
-from minillm.bench.spec import ALL_METHODS, DEFAULT_K, make_engine, measure, report_of, warm_up
+from minillm.bench.spec import (
+    ALL_METHODS,
+    DEFAULT_K,
+    make_engine,
+    measure,
+    measure_paired,
+    report_of,
+    warm_up,
+)
 from minillm.bench.spec_load import (
     LoadConfig,
     break_even,
@@ -138,6 +146,25 @@ def test_drafter_cost_per_round_and_the_part1_plot(model):
     fig = plot_spec(no_sweep)
     assert len(fig.axes) == 2                                        # no k panel
     plt.close(fig)
+
+
+def test_paired_runs_alternate_plain_and_speculative_and_report_their_median(model):
+    """--repeats: one speedup per pair of runs, the report's speedup is their median, and the
+    paired engines serve every request and free every block."""
+    prompts = prompts_of([6, 10, 8, 7], seed=3)
+    run = measure_paired(model, None, "ngram", prompts, 2, PARAMS, 3,
+                         calibration_prompts=prompts_of([12, 9, 11, 10], seed=4))
+    assert len(run.paired_speedups) == 3 and all(x > 0 for x in run.paired_speedups)
+    assert run.method == "ngram auto" and run.batch == 2 and run.tokens == 3 * 4 * 8
+    base = measure(model, None, None, 0, "mixed", prompts, 1, PARAMS)
+    plain2 = measure(model, None, None, 0, "mixed", prompts, 2, PARAMS)
+    row = next(r for r in report_of([base, plain2, run], {"mixed": base}, {},
+                                    {"default_k": DEFAULT_K})["runs"]
+               if r["batch"] == 2 and r["method"] != "none")
+    assert row["speedup"] == sorted(run.paired_speedups)[1]
+    with pytest.raises(ValueError, match="repeats"):
+        from minillm.bench.spec import run_spec_bench
+        run_spec_bench("tiny", methods=["ngram"], auto=True, repeats=0)
 
 
 def test_cli_part1_switch():
