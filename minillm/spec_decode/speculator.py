@@ -69,7 +69,6 @@ class DraftAndVerify:
 
     def __init__(self, config: SpeculativeConfig, max_seq_len: int, proposer) -> None:
         self.config, self.max_seq_len, self.proposer = config, max_seq_len, proposer
-        self.hidden_layers = proposer.hidden_layers
         self.max_draft_tokens = proposer.max_nodes
         self.stats = SpecStats()
         self.calibration: Calibration | None = None   # set when k was "auto"
@@ -77,6 +76,13 @@ class DraftAndVerify:
         self._depth_for: dict[int, int] = {}           # batch -> calibration.k_for_batch
         self._stale: set[int] = set()                  # sequences whose drafter state was
         #                                                dropped while drafting was off
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The target layers whose states the proposer reads; none while it does not draft
+        (the runner then keeps its fast path: a step that returns hidden states leaves the
+        fused CPU forward and the CUDA graphs)."""
+        return self.proposer.hidden_layers if self.drafting else ()
 
     def propose(self, plan: SchedulerOutput, out: RunnerOutput, done: StepUpdate
                 ) -> dict[int, Draft]:

@@ -143,3 +143,25 @@ def test_a_drafter_that_cannot_catch_up_drops_the_sequences_it_did_not_follow(mo
         engine.step()
     assert spec.stats.rounds > 0                         # a new sequence alone drafts
     assert_all_free(engine)
+
+
+def test_a_speculator_that_does_not_draft_asks_for_no_hidden_states(model):
+    """A feature drafter reads the target's last hidden state; once the calibration switches
+    drafting off, the runner must not be asked for it (a step that returns hidden states
+    leaves the fused CPU forward and the CUDA graphs), and the engine still serves the
+    target's tokens."""
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=256, block_size=4, max_num_seqs=4))
+    spec = build_speculator({"method": "eagle", "num_speculative_tokens": 2}, engine,
+                            drafter=random_drafter("eagle", model))
+    assert spec.hidden_layers == (-1,)
+    spec.drafting = False
+    assert spec.hidden_layers == ()
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = prompts_of([7, 11], seed=2)
+    plain = run_all(LLMEngine(model, None, EngineConfig(num_kv_blocks=256, block_size=4,
+                                                        max_num_seqs=4)), prompts, greedy)
+    engine.use_speculator(spec)
+    got = run_all(engine, prompts, greedy)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert spec.stats.rounds == 0
+    assert_all_free(engine)
