@@ -57,6 +57,17 @@ def model():
     return sharp_model(torch.float32, max_seq_len=512)
 
 
+def assert_serves_plain_tokens(model, engine, spec, prompts, max_tokens):
+    """``engine`` with ``spec`` gives the plain engine's greedy tokens and frees every block."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    plain = run_all(LLMEngine(model, None, EngineConfig(num_kv_blocks=256, block_size=4,
+                                                        max_num_seqs=4)), prompts, greedy)
+    engine.use_speculator(spec)
+    got = run_all(engine, prompts, greedy)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert_all_free(engine)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_auto_keeps_the_best_measured_k_and_serves_the_targets_tokens(model, method):
     engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=256, block_size=4, max_num_seqs=4))
@@ -77,14 +88,7 @@ def test_auto_keeps_the_best_measured_k_and_serves_the_targets_tokens(model, met
     assert not engine.requests and not engine.trace and engine.speculator is None
     assert set(cal.batch_s) == {4}                 # max_num_seqs=4: the larger ones do not fit
     assert_all_free(engine)
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    others = prompts_of([9, 14], seed=5)
-    plain = run_all(LLMEngine(model, None, EngineConfig(num_kv_blocks=256, block_size=4,
-                                                        max_num_seqs=4)), others, greedy)
-    engine.use_speculator(spec)
-    got = run_all(engine, others, greedy)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
-    assert_all_free(engine)
+    assert_serves_plain_tokens(model, engine, spec, prompts_of([9, 14], seed=5), 16)
     if not spec.drafting:                    # (drafting at batch 2 depends on the timings)
         assert engine.speculator.stats.rounds == 0
 
@@ -156,12 +160,5 @@ def test_a_speculator_that_does_not_draft_asks_for_no_hidden_states(model):
     assert spec.hidden_layers == (-1,)
     spec.drafting = False
     assert spec.hidden_layers == ()
-    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompts = prompts_of([7, 11], seed=2)
-    plain = run_all(LLMEngine(model, None, EngineConfig(num_kv_blocks=256, block_size=4,
-                                                        max_num_seqs=4)), prompts, greedy)
-    engine.use_speculator(spec)
-    got = run_all(engine, prompts, greedy)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert_serves_plain_tokens(model, engine, spec, prompts_of([7, 11], seed=2), 8)
     assert spec.stats.rounds == 0
-    assert_all_free(engine)
