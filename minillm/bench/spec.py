@@ -91,7 +91,10 @@ def make_engine(model, tok, method: str | None, k: int, max_seqs: int, *,
                **(extra or {})}
     deepest = MAX_TOKENS.get(method, 0) if k == "auto" else k
     budget = max(4096, max_seqs * (1 + max(options["tree_nodes"], deepest)))
-    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=max_seqs, num_kv_blocks=64 * 40,
+    # 40 blocks of 16 tokens per sequence (a held-out prompt, the output and a draft fit);
+    # "auto" measures plain steps of up to 64 sequences when it is built, so it gets room for 64
+    seqs = 64 if k == "auto" else max(4, max_seqs)
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=max_seqs, num_kv_blocks=40 * seqs,
                                                 max_num_batched_tokens=budget))
     if method is not None:
         engine.use_speculator(build_speculator(options, engine, drafter=drafter,
