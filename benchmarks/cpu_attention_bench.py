@@ -11,7 +11,10 @@ reads its KV from memory, as in the engine, not from the last-level cache):
 Each through ``cpu`` (the C++ kernel reading the blocks in place) and ``sdpa`` (padded groups of
 gathered blocks, causal SDPA per prompt), interleaved, median of a few rounds; the largest
 difference between them; the KV bytes a decode layer reads and the rate the kernel reads them
-at. Writes JSON with the CPU model and flags (the kernel's bf16 path needs AVX512-BF16).
+at. Then the decode step through the C++ kernel for each KV storage format the engine offers
+(``kv_cache_dtype``: the queries' dtype, bfloat16 below float32 queries, int8 below either),
+interleaved. Writes JSON with the CPU model and flags (the kernel's bf16 path needs
+AVX512-BF16).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import time
 
 import torch
 
+from minillm.attention.kv_quant import Int8Blocks, quantize_int8
 from minillm.attention.paged import (
     build_metadata,
     cpu_paged_attention,
@@ -91,6 +95,42 @@ def measure(name: str, dtype: torch.dtype, rounds: int) -> dict:
     return row
 
 
+FORMATS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+           (torch.float32, torch.int8), (torch.bfloat16, torch.bfloat16),
+           (torch.bfloat16, torch.int8)]
+
+
+def stored(cache: torch.Tensor, fmt: torch.dtype):
+    """A float32 cache in the storage format ``fmt`` (int8: with its scales)."""
+    return Int8Blocks(*quantize_int8(cache)) if fmt == torch.int8 else cache.to(fmt)
+
+
+def measure_formats(rounds: int) -> list[dict]:
+    """The decode step through the C++ kernel for each (queries' dtype, cache format)."""
+    seqs, cached, new = STEPS["decode"]
+    caches, (q, k, v), metas = make_step(seqs, cached, new, torch.float32)
+    cases = {(qd, fmt): ([tuple(stored(c, fmt) for c in pair) for pair in caches],
+                         (q.to(qd), k.to(qd), v.to(qd))) for qd, fmt in FORMATS}
+    times: dict = {key: [] for key in cases}
+    for _ in range(rounds):
+        for key, (layer_caches, qkv) in cases.items():
+            t0 = time.perf_counter()
+            run(cpu_paged_attention, layer_caches, qkv, metas[True])
+            times[key].append((time.perf_counter() - t0) / LAYERS * 1e3)
+    rows = []
+    for (qd, fmt), t in times.items():
+        ms = statistics.median(t)
+        per_elem = fmt.itemsize + (4 / D if fmt == torch.int8 else 0)
+        kv_bytes = seqs * (cached + new) * HKV * D * 2 * per_elem
+        rows.append({"q_dtype": str(qd).removeprefix("torch."),
+                     "kv_dtype": str(fmt).removeprefix("torch."), "ms_per_layer": round(ms, 3),
+                     "kv_bytes_per_layer": int(kv_bytes),
+                     "kv_read_gb_s": round(kv_bytes / ms / 1e6, 1)})
+        print(f"decode, {rows[-1]['q_dtype']:8s} queries, KV {rows[-1]['kv_dtype']:8s}: "
+              f"{ms:7.3f} ms/layer ({rows[-1]['kv_read_gb_s']} GB/s of KV)")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -100,9 +140,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = [measure(step, dtype, args.rounds) for dtype in (torch.bfloat16, torch.float32)
             for step in STEPS]
+    formats = measure_formats(args.rounds)
     report = {"benchmark": "cpu_attention", "layers": LAYERS, "heads": [HQ, HKV],
               "head_dim": D, "block_size": BS, "cpu_flags": sorted(cpu_features()),
-              "load_average": list(os.getloadavg()), "rows": rows,
+              "load_average": list(os.getloadavg()), "rows": rows, "kv_formats": formats,
               **machine_info(torch.device("cpu"), args.threads)}
     print("wrote", write_json(report, args.out))
 

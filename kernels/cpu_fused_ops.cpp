@@ -61,6 +61,63 @@ static void rope_store(const T* q, const T* k, const T* v, int64_t ld, const T* 
     }
 }
 
+// One head's d values x (floats) into a cache slot of another format: bfloat16 rounded to
+// nearest even; int8 as round(x / s) with s = max|x| / 127 written to *scale (ties to even,
+// as torch.round: the engine's minillm.attention.kv_quant.quantize_int8, value for value).
+static inline void put(const float* x, uint16_t* dst, float*, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) narrow(x[i], &dst[i]);
+}
+static inline void put(const float* x, int8_t* dst, float* scale, int64_t d) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; ++i) amax = std::fabs(x[i]) > amax ? std::fabs(x[i]) : amax;
+    const float s = amax / 127.0f, safe = s > 0.0f ? s : 1.0f;
+    *scale = s;
+    for (int64_t i = 0; i < d; ++i) {
+        const float r = std::nearbyint(x[i] / safe);
+        dst[i] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+}
+
+// rope_store into a cache stored as C (bfloat16 below float32, or int8 with scales k_scale,
+// v_scale [slots, hkv]): rope(k) rounded to T first, as the eager model computes it.
+constexpr int64_t MAX_HEAD = 256;
+template <typename T, typename C>
+static void rope_store_kv(const T* q, const T* k, const T* v, int64_t ld, const T* cos,
+                          const T* sin, T* q_out, C* k_cache, C* v_cache, float* k_scale,
+                          float* v_scale, const int64_t* slots, int64_t n, int64_t hq,
+                          int64_t hkv, int64_t d) {
+    #pragma omp parallel for if (n * (hq + 2 * hkv) * d >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < n; ++r) {
+        const T *c = cos + r * d, *s = sin + r * d;
+        for (int64_t h = 0; h < hq; ++h)
+            rotate(q + r * ld + h * d, c, s, q_out + (r * hq + h) * d, d);
+        T rotated[MAX_HEAD];
+        float x[MAX_HEAD];
+        for (int64_t h = 0; h < hkv; ++h) {
+            const int64_t at = slots[r] * hkv + h;              // [slots, hkv] index
+            rotate(k + r * ld + h * d, c, s, rotated, d);
+            for (int64_t i = 0; i < d; ++i) x[i] = widen(rotated[i]);
+            put(x, k_cache + at * d, k_scale ? k_scale + at : nullptr, d);
+            for (int64_t i = 0; i < d; ++i) x[i] = widen(v[r * ld + h * d + i]);
+            put(x, v_cache + at * d, v_scale ? v_scale + at : nullptr, d);
+        }
+    }
+}
+
+#define KV_ENTRY(NAME, T, C)                                                                  \
+extern "C" void rope_store_kv_##NAME(const void* q, const void* k, const void* v, int64_t ld, \
+                                     const void* cos, const void* sin, void* q_out,          \
+                                     void* k_cache, void* v_cache, float* k_scale,           \
+                                     float* v_scale, const int64_t* slots, int64_t n,        \
+                                     int64_t hq, int64_t hkv, int64_t d) {                   \
+    rope_store_kv<T, C>((const T*)q, (const T*)k, (const T*)v, ld, (const T*)cos,          \
+                        (const T*)sin, (T*)q_out, (C*)k_cache, (C*)v_cache, k_scale, v_scale,\
+                        slots, n, hq, hkv, d);                                                \
+}
+KV_ENTRY(f32_kvbf16, float, uint16_t)
+KV_ENTRY(f32_kvi8, float, int8_t)
+KV_ENTRY(bf16_kvi8, uint16_t, int8_t)
+
 // out [n, f] = T(silu(gate)) * up, gate and up [n, f] with row stride ld
 template <typename T>
 static void silu_mul(const T* gate, const T* up, int64_t ld, T* out, int64_t n, int64_t f) {

@@ -35,14 +35,20 @@ DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 SOURCE_FILE = Path(__file__).with_name("cpu_fused_ops.cpp")   # the C++, after SCALARS
 SOURCE = SCALARS + SOURCE_FILE.read_text()
 
+# (the model's dtype, a narrower KV cache's) -> the suffix of rope_store_kv (see rope_store_into)
+KV_FORMATS = {(torch.float32, torch.bfloat16): "f32_kvbf16",
+              (torch.float32, torch.int8): "f32_kvi8", (torch.bfloat16, torch.int8): "bf16_kvi8"}
+
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {"add_rms_norm": [_P, _I, _P, _I, _P, _P, _I, _I, _F],
               "rope_store": [_P] * 3 + [_I] + [_P] * 6 + [_I] * 4,
               "silu_mul": [_P, _P, _I, _P, _I, _I]}
+_KV_ARGS = [_P] * 3 + [_I] + [_P] * 8 + [_I] * 4
 # float32 products kept apart from the sums (no FMA contraction), as eager PyTorch computes them
 LIBRARY = Library("fused_ops", SOURCE, {f"{op}_{dt}": args for op, args in SIGNATURES.items()
-                                        for dt in DTYPES.values()}, ("-ffp-contract=off",),
-                  source_file=SOURCE_FILE)
+                                        for dt in DTYPES.values()} |
+                  {f"rope_store_kv_{fmt}": _KV_ARGS for fmt in KV_FORMATS.values()},
+                  ("-ffp-contract=off",), source_file=SOURCE_FILE)
 
 
 def available() -> bool:
@@ -76,11 +82,25 @@ def add_rms_norm_into(x: torch.Tensor, residual: torch.Tensor | None, weight: to
 def rope_store_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, q_out: torch.Tensor) -> torch.Tensor:
-    """q_out [n, Hq, D] = rope(q); rope(k), v stored at ``slot_mapping`` of the caches."""
+    """q_out [n, Hq, D] = rope(q); rope(k), v stored at ``slot_mapping`` of the caches: in
+    q's dtype, or narrower (bfloat16 below float32; an ``Int8Blocks`` of int8 data and scales,
+    quantized as ``minillm.attention.kv_quant.quantize_int8`` does)."""
     hkv, d = k_cache.shape[2:]
-    _call("rope_store", q.dtype, q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0),
-          cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(),
-          v_cache.data_ptr(), slot_mapping.data_ptr(), q.shape[0], q.shape[1] // d, hkv, d)
+    head = (q.shape[0], q.shape[1] // d, hkv, d)
+    if k_cache.dtype == q.dtype:
+        _call("rope_store", q.dtype, q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0),
+              cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(),
+              v_cache.data_ptr(), slot_mapping.data_ptr(), *head)
+        return q_out
+    if d > 256:
+        raise ValueError(f"a narrower KV cache needs head_dim <= 256, got {d}")
+    scales = [getattr(c, "scale", None) for c in (k_cache, v_cache)]
+    data = [c.data if s is not None else c for c, s in zip((k_cache, v_cache), scales)]
+    fn = getattr(LIBRARY.get(), f"rope_store_kv_{KV_FORMATS[q.dtype, k_cache.dtype]}")
+    profiled_call(fn, "rope_store", q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0),
+                  cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), data[0].data_ptr(),
+                  data[1].data_ptr(), *[None if x is None else x.data_ptr() for x in scales],
+                  slot_mapping.data_ptr(), *head)
     return q_out
 
 

@@ -4,14 +4,34 @@
 #include <immintrin.h>
 #endif
 
+#include <type_traits>
+
 // 8 floats as one value: AVX2 / AVX-512 registers (two SSE ones on older CPUs)
 typedef float f8 __attribute__((vector_size(32)));
 static inline f8 load8(const float* p) { f8 v; std::memcpy(&v, p, 32); return v; }
 static inline void store8(float* p, f8 v) { std::memcpy(p, &v, 32); }
+// 8 int8 cache values widened to floats (their scale is applied by the caller)
+static inline f8 load8(const int8_t* p) {
+    f8 v;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+    std::memcpy(&v, &w, 32);
+#else
+    for (int i = 0; i < 8; ++i) v[i] = (float)p[i];
+#endif
+    return v;
+}
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load8ps(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8ps(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+#endif
 
-// q . k over D floats (D a multiple of 8 known when compiled; D == 0: d, any)
-template <int64_t D>
-static inline float dot(const float* __restrict q, const float* __restrict k, int64_t d) {
+// q . k over D keys' elements (float32, or int8 widened; D a multiple of 8 known when
+// compiled; D == 0: d, any)
+template <int64_t D, typename K>
+static inline float dot(const float* __restrict q, const K* __restrict k, int64_t d) {
     if constexpr (D > 0) {
         f8 s = load8(q) * load8(k);
         for (int64_t e = 8; e < D; e += 8) s += load8(q + e) * load8(k + e);
@@ -24,18 +44,18 @@ static inline float dot(const float* __restrict q, const float* __restrict k, in
 
 // out[j] = q . k[j * stride : + D] for 8 keys at once: eight running sums, then one
 // transposing horizontal add (AVX2), instead of a horizontal add per key.
-template <int64_t D>
-static inline void dot8(const float* __restrict q, const float* __restrict k, int64_t stride,
+template <int64_t D, typename K>
+static inline void dot8(const float* __restrict q, const K* __restrict k, int64_t stride,
                         float* __restrict out) {
 #if defined(__AVX2__) && defined(__FMA__)
     if constexpr (D > 0) {
         __m256 s[8];
         const __m256 q0 = _mm256_loadu_ps(q);
-        for (int j = 0; j < 8; ++j) s[j] = _mm256_mul_ps(q0, _mm256_loadu_ps(k + j * stride));
+        for (int j = 0; j < 8; ++j) s[j] = _mm256_mul_ps(q0, load8ps(k + j * stride));
         for (int64_t e = 8; e < D; e += 8) {
             const __m256 qe = _mm256_loadu_ps(q + e);
             for (int j = 0; j < 8; ++j)
-                s[j] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(k + j * stride + e), s[j]);
+                s[j] = _mm256_fmadd_ps(qe, load8ps(k + j * stride + e), s[j]);
         }
         const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
         const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
@@ -47,17 +67,19 @@ static inline void dot8(const float* __restrict q, const float* __restrict k, in
     for (int j = 0; j < 8; ++j) out[j] = dot<D>(q, k + j * stride, D);
 }
 
-// The keys or values of one block as floats: bfloat16 widened into buf, float32 read in place.
-static inline const float* as_float(const float* src, float*, int64_t) { return src; }
-static inline const float* as_float(const uint16_t* src, float* buf, int64_t n) {
+// The keys or values of a block ([n, hkv, d]) as the loops read them: float32 and int8 in
+// place (int8's scales are applied to the scores and the weights), bfloat16 widened into buf.
+static inline const float* readable(const float* src, float*, int64_t) { return src; }
+static inline const int8_t* readable(const int8_t* src, float*, int64_t) { return src; }
+static inline const float* readable(const uint16_t* src, float* buf, int64_t n) {
     for (int64_t i = 0; i < n; ++i) buf[i] = widen(src[i]);
     return buf;
 }
 
 // acc = alpha * acc + sum_o w[o] * v[o * stride : + d], with acc kept in registers (D > 0)
-template <int64_t D>
+template <int64_t D, typename V>
 static inline void accumulate(float* __restrict acc, float alpha, const float* __restrict w,
-                              const float* __restrict v, int64_t stride, int64_t n, int64_t d) {
+                              const V* __restrict v, int64_t stride, int64_t n, int64_t d) {
     if constexpr (D > 0) {
         f8 a[D / 8];
         for (int64_t e = 0; e < D / 8; ++e) a[e] = load8(acc + 8 * e) * alpha;
@@ -261,12 +283,15 @@ static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
 }
 #endif
 
-template <typename T, int64_t D>                 // D > 0: the head dim, known when compiled
-static void attend(const T* q, const T* kc, const T* vc, const int32_t* tables, int64_t width,
+// T: q's and out's element type; C: the cache's (T, bfloat16 below a float32 T, or int8 with
+// scales ks, vs [num_blocks, bs, hkv]; null for a float cache).
+template <typename T, typename C, int64_t D>     // D > 0: the head dim, known when compiled
+static void attend(const T* q, const C* kc, const C* vc, const int32_t* tables, int64_t width,
                    const int32_t* seq_lens, const int32_t* cu_q, const int32_t* seqs,
                    int64_t n_seqs, T* out, int64_t hq, int64_t hkv, int64_t dim, int64_t bs,
-                   float scale) {
+                   float scale, const float* ks, const float* vs) {
     const int64_t d = D > 0 ? D : dim, g = hq / hkv, row = hkv * d;   // row: one cached token
+    constexpr bool int8 = std::is_same_v<C, int8_t>;
     const std::vector<Item> items = work_items(cu_q, seq_lens, seqs, n_seqs);
     #pragma omp parallel for schedule(dynamic, 1)
     for (size_t item = 0; item < items.size(); ++item) {
@@ -277,12 +302,15 @@ static void attend(const T* q, const T* kc, const T* vc, const int32_t* tables, 
         for (int64_t i = 0; i < rows * d; ++i) qf[i] = widen(q[q0 * hq * d + i]) * scale;
         for (int64_t p0 = 0; p0 < len; p0 += bs) {
             const int64_t n = len - p0 < bs ? len - p0 : bs;
-            const T* kb = kc + tables[s * width + p0 / bs] * bs * row;
-            const T* vb = vc + tables[s * width + p0 / bs] * bs * row;
+            const int64_t block = tables[s * width + p0 / bs];
+            const C* kb = kc + block * bs * row;
+            const C* vb = vc + block * bs * row;
             const NextBlock next(kc, vc, p0 + bs < len ? tables[s * width + p0 / bs + 1] : -1,
                                  bs * row, rows);
-            const float* kf = as_float(kb, kbuf.data(), n * row);
-            const float* vf = as_float(vb, vbuf.data(), n * row);
+            const auto* kf = readable(kb, kbuf.data(), n * row);
+            const auto* vf = readable(vb, vbuf.data(), n * row);
+            const float* k_scale = int8 ? ks + block * bs * hkv : nullptr;   // [n, hkv]
+            const float* v_scale = int8 ? vs + block * bs * hkv : nullptr;
             for (int64_t r = 0; r < rows; ++r) {             // r = new token t, query head
                 const int64_t seen = ctx + r / hq + 1 - p0;      // keys of this block it sees
                 const int64_t cnt = seen < n ? seen : n, kvh = (r % hq) / g;
@@ -294,11 +322,15 @@ static void attend(const T* q, const T* kc, const T* vc, const int32_t* tables, 
                 if (D > 0)
                     for (; o + 8 <= cnt; o += 8) dot8<D>(qr, &kf[o * row + kvh * d], row, &p[o]);
                 for (; o < cnt; ++o) p[o] = dot<D>(qr, &kf[o * row + kvh * d], d);
+                if (int8)                                    // q . (s k) = s (q . k)
+                    for (o = 0; o < cnt; ++o) p[o] *= k_scale[o * hkv + kvh];
                 for (o = 0; o < cnt; ++o) best = p[o] > best ? p[o] : best;
                 const float alpha = exp_neg(m[r] - best);
                 float sum = 0.0f;
                 #pragma omp simd reduction(+:sum)
                 for (int64_t o = 0; o < cnt; ++o) { p[o] = exp_neg(p[o] - best); sum += p[o]; }
+                if (int8)                                    // w (s v) = (w s) v
+                    for (o = 0; o < cnt; ++o) p[o] *= v_scale[o * hkv + kvh];
                 accumulate<D>(&acc[r * d], alpha, p.data(), vf + kvh * d, row, cnt, d);
                 l[r] = l[r] * alpha + sum;
                 m[r] = best;
@@ -312,30 +344,33 @@ static void attend(const T* q, const T* kc, const T* vc, const int32_t* tables, 
     }
 }
 
-#define ENTRY(NAME, T)                                                                      \
+#define ENTRY(NAME, T, C)                                                                   \
 extern "C" void NAME(const void* q, const void* kc, const void* vc, const int32_t* tables,  \
                      int64_t width, const int32_t* seq_lens, const int32_t* cu_q,            \
                      const int32_t* seqs, int64_t n_seqs, void* out, int64_t hq, int64_t hkv, \
-                     int64_t d, int64_t bs, float scale) {                                  \
-    auto run = d == 64 ? attend<T, 64> : d == 128 ? attend<T, 128> : attend<T, 0>;         \
-    run((const T*)q, (const T*)kc, (const T*)vc, tables, width, seq_lens, cu_q, seqs,       \
-        n_seqs, (T*)out, hq, hkv, d, bs, scale);                                            \
+                     int64_t d, int64_t bs, float scale, const float* ks, const float* vs) { \
+    auto run = d == 64 ? attend<T, C, 64> : d == 128 ? attend<T, C, 128> : attend<T, C, 0>; \
+    run((const T*)q, (const C*)kc, (const C*)vc, tables, width, seq_lens, cu_q, seqs,       \
+        n_seqs, (T*)out, hq, hkv, d, bs, scale, ks, vs);                                    \
 }
-ENTRY(paged_attention_f32, float)
+ENTRY(paged_attention_f32, float, float)
+ENTRY(paged_attention_f32_kvbf16, float, uint16_t)
+ENTRY(paged_attention_f32_kvi8, float, int8_t)
+ENTRY(paged_attention_bf16_kvi8, uint16_t, int8_t)
 #ifdef HAVE_AVX512_BF16
 extern "C" void paged_attention_bf16(const void* q, const void* kc, const void* vc,
                                      const int32_t* tables, int64_t width, const int32_t* seq_lens,
                                      const int32_t* cu_q, const int32_t* seqs, int64_t n_seqs,
                                      void* out, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
-                                     float scale) {
+                                     float scale, const float*, const float*) {
     auto fast = d == 64 ? attend_bf16<64> : d == 128 ? attend_bf16<128> : nullptr;
     if (fast != nullptr)
         return fast((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, tables, width,
                     seq_lens, cu_q, seqs, n_seqs, (uint16_t*)out, hq, hkv, bs, scale);
-    auto run = attend<uint16_t, 0>;
+    auto run = attend<uint16_t, uint16_t, 0>;
     run((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, tables, width, seq_lens,
-        cu_q, seqs, n_seqs, (uint16_t*)out, hq, hkv, d, bs, scale);
+        cu_q, seqs, n_seqs, (uint16_t*)out, hq, hkv, d, bs, scale, nullptr, nullptr);
 }
 #else
-ENTRY(paged_attention_bf16, uint16_t)
+ENTRY(paged_attention_bf16, uint16_t, uint16_t)
 #endif

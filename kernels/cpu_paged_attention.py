@@ -39,16 +39,27 @@ import torch
 from .cpu_build import SCALARS, Library, profiled_call
 
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# (q's dtype, the cache's) -> the C++ entry's suffix: the cache in q's dtype, bfloat16 below
+# float32 queries, or int8 with per-token, per-head float32 scales (minillm.attention.kv_quant)
+FORMATS = {(torch.float32, torch.float32): "f32", (torch.bfloat16, torch.bfloat16): "bf16",
+           (torch.float32, torch.bfloat16): "f32_kvbf16", (torch.float32, torch.int8): "f32_kvi8",
+           (torch.bfloat16, torch.int8): "bf16_kvi8"}
 MAX_HEAD_DIM = 256
 
 SOURCE_FILE = Path(__file__).with_name("cpu_paged_attention.cpp")   # the C++, after SCALARS
 SOURCE = SCALARS + SOURCE_FILE.read_text()
 
 _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + \
-    [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float]
+    [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float] + \
+    [ctypes.c_void_p] * 2
 LIBRARY = Library("paged_attention", SOURCE,
-                  {f"paged_attention_{dt}": _ARGS for dt in DTYPES.values()},
+                  {f"paged_attention_{fmt}": _ARGS for fmt in FORMATS.values()},
                   source_file=SOURCE_FILE)
+
+
+def _parts(cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(data, scales or None) of a layer's cache: a tensor or an ``Int8Blocks``."""
+    return (cache.data, cache.scale) if hasattr(cache, "scale") else (cache, None)
 
 
 def available() -> bool:
@@ -66,14 +77,17 @@ def attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, seqs: torch.Tensor, out: torch.Tensor,
                     scale: float | None = None) -> None:
     """The C++ call itself, unchecked (for the engine, which built every index it passes; use
-    :func:`cpu_paged_attention` otherwise): writes sequences ``seqs``' rows of ``out``."""
+    :func:`cpu_paged_attention` otherwise): writes sequences ``seqs``' rows of ``out``.
+    ``k_cache``, ``v_cache``: tensors, or ``Int8Blocks`` (data and scales) for an int8 cache."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    fn = getattr(LIBRARY.get(), f"paged_attention_{DTYPES[q.dtype]}")
+    (kc, ks), (vc, vs) = _parts(k_cache), _parts(v_cache)
+    fn = getattr(LIBRARY.get(), f"paged_attention_{FORMATS[q.dtype, kc.dtype]}")
     hq, d = q.shape[1:]
-    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+    args = (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),
-            seqs.data_ptr(), seqs.shape[0], out.data_ptr(), hq, k_cache.shape[2], d,
-            k_cache.shape[1], scale)
+            seqs.data_ptr(), seqs.shape[0], out.data_ptr(), hq, kc.shape[2], d,
+            kc.shape[1], scale, None if ks is None else ks.data_ptr(),
+            None if vs is None else vs.data_ptr())
     profiled_call(fn, "cpu_paged_attention", *args)
 
 
@@ -81,12 +95,24 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
            seqs: torch.Tensor, out: torch.Tensor) -> None:
     """Raise ValueError naming the argument unless the call is one the kernel can do."""
+    (k_cache, k_scale), (v_cache, v_scale) = _parts(k_cache), _parts(v_cache)
     for name, t in [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)]:
-        if t.device.type != "cpu" or t.dtype not in DTYPES or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous CPU tensor of dtype float32 or "
-                             f"bfloat16, got {t.dtype} on {t.device}")
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CPU tensor, got one on {t.device}")
+    if q.dtype not in DTYPES or out.dtype != q.dtype:
+        raise ValueError(f"q and out must both be float32 or bfloat16, got {q.dtype}, "
+                         f"{out.dtype}")
+    if (q.dtype, k_cache.dtype) not in FORMATS or v_cache.dtype != k_cache.dtype:
+        allowed = [str(c).removeprefix("torch.") for qd, c in FORMATS if qd == q.dtype]
+        raise ValueError(f"k_cache and v_cache must share a dtype in {allowed} for {q.dtype} "
+                         f"queries, got {k_cache.dtype}, {v_cache.dtype}")
+    if (k_cache.dtype == torch.int8) != (k_scale is not None and v_scale is not None):
+        raise ValueError("an int8 k_cache / v_cache comes with its scales (Int8Blocks)")
+    for name, sc in [("k_cache.scale", k_scale), ("v_cache.scale", v_scale)]:
+        if sc is not None and (sc.dtype != torch.float32 or not sc.is_contiguous()
+                               or sc.shape != k_cache.shape[:3]):
+            raise ValueError(f"{name} must be contiguous float32 {list(k_cache.shape[:3])}, "
+                             f"got {sc.dtype} {list(sc.shape)}")
     for name, t in [("block_tables", block_tables), ("seq_lens", seq_lens),
                     ("cu_seqlens_q", cu_seqlens_q), ("seqs", seqs)]:
         if t.device.type != "cpu" or t.dtype != torch.int32 or not t.is_contiguous():

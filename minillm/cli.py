@@ -178,8 +178,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 #: ``bench`` subcommands, in ``bench --help`` order: each is the module minillm.bench.NAME, which
 #: has ``HELP`` (the one-line help), ``add_arguments(parser)`` and ``main(args) -> exit code``.
-BENCHMARKS = ("decode", "throughput", "quant", "spec", "chunked", "disagg", "prefix", "serve",
-              "runtime")
+BENCHMARKS = ("decode", "throughput", "quant", "kvcache", "spec", "chunked", "disagg", "prefix",
+              "serve", "runtime")
 
 
 def add_bench(sub) -> None:
@@ -215,7 +215,7 @@ def add_serve(sub) -> None:
                                   "except --max-num-seqs: vLLM's CPU server default, "
                                   "minillm.serve.api.SERVER_MAX_NUM_SEQS)")
     for flag, kind in (("--max-num-seqs", int), ("--num-kv-blocks", int), ("--block-size", int),
-                       ("--max-num-batched-tokens", int)):
+                       ("--max-num-batched-tokens", int), ("--kv-cache-dtype", str)):
         engine.add_argument(flag, type=kind, default=None)
     for flag in ("--enable-chunked-prefill", "--enable-prefix-caching"):
         engine.add_argument(flag, action="store_true", default=None)
@@ -223,7 +223,7 @@ def add_serve(sub) -> None:
 
 
 ENGINE_FLAGS = ("max_num_seqs", "num_kv_blocks", "block_size", "max_num_batched_tokens",
-                "enable_chunked_prefill", "enable_prefix_caching")
+                "kv_cache_dtype", "enable_chunked_prefill", "enable_prefix_caching")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .cache import Cache, H2OCache, KVCache, SinkCache, SlidingWindowCache
+from .cache import Cache, H2OCache, KVCache, QuantizedKVCache, SinkCache, SlidingWindowCache
 from .config import ModelConfig
 from .model.transformer import Transformer
 
@@ -177,6 +177,15 @@ def perplexity(model: Transformer, ids: Sequence[int] | torch.Tensor,
                prefill: int | None = None) -> float:
     """exp(mean next-token NLL) of ids read through a cache (see :func:`token_nll`)."""
     return math.exp(token_nll(model, ids, cache_factory, chunk, prefill).mean().item())
+
+
+def kv_dtype_perplexity(model: Transformer, ids: Sequence[int] | torch.Tensor,
+                        kv_cache_dtype: str) -> float:
+    """Perplexity of ids with the KV cache stored as ``kv_cache_dtype`` ("float32",
+    "bfloat16", "int8": :class:`~minillm.cache.QuantizedKVCache`); every query reads the keys
+    and values back from that storage, so one pass gives what decoding token by token would."""
+    return perplexity(model, ids, lambda n: QuantizedKVCache(
+        model.cfg, 1, n, model.device, model.dtype, kv_cache_dtype))
 
 
 def make_cache(policy: str, cfg: ModelConfig, budget: int, n_sink: int = 4,

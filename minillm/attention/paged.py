@@ -43,7 +43,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from .kv_quant import Int8Blocks, read_blocks, store
 from .sdpa import sdpa_attention
+
+KVCache = torch.Tensor | Int8Blocks     # one layer's cache: see minillm.attention.kv_quant
 
 QUERY_GROUP = 16     # sequences per padded group
 SHORT_QUERY = 64     # new tokens over a cached prefix that still go to a padded group
@@ -244,48 +247,51 @@ def _group(seqs: list[int], meta: PagedMetadata, block_tables: list[list[int]],
                       mask.to(device))
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' k, v [N, Hkv, D] at their slots of the [blocks, bs, Hkv, D] caches."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    """Store the new tokens' k, v [N, Hkv, D] at their slots of the [blocks, bs, Hkv, D] caches
+    (converted to the caches' format)."""
+    store(k_cache, k, slot_mapping)
+    store(v_cache, v, slot_mapping)
 
 
 def sdpa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         k_cache: KVCache, v_cache: KVCache,
                          meta: PagedMetadata) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D] (see the module docstring)."""
     return attend_groups_and_singles(q, k, v, k_cache, v_cache, meta, torch.empty_like(q))
 
 
 def attend_groups_and_singles(q: torch.Tensor, k: torch.Tensor | None,
-                              v: torch.Tensor | None, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor, meta: PagedMetadata, out: torch.Tensor
+                              v: torch.Tensor | None, k_cache: KVCache,
+                              v_cache: KVCache, meta: PagedMetadata, out: torch.Tensor
                               ) -> torch.Tensor:
     """Write the rows of ``meta.groups`` and ``meta.singles`` into ``out`` [N, Hq, D]. ``k``,
-    ``v`` (the new tokens' [N, Hkv, D]) are read only for a single without cached context;
-    None when there is none."""
+    ``v`` (the new tokens' [N, Hkv, D]) are read only for a single without cached context in
+    a cache of q's dtype (a narrower cache is read back, so that every query sees the keys as
+    stored); None when there is none."""
+    narrow = isinstance(k_cache, Int8Blocks) or k_cache.dtype != q.dtype
     for g in meta.groups:
         out[g.start:g.end] = _attend_group(q, k_cache, v_cache, g)
     for i in meta.singles:
         rows = slice(meta.starts[i], meta.starts[i] + meta.q_lens[i])
-        if meta.ctx_lens[i] == 0:
+        if meta.ctx_lens[i] == 0 and not narrow:
             ki, vi = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
-            ki, vi = (_gather(c, meta, i) for c in (k_cache, v_cache))
+            ki, vi = (_gather(c, meta, i, q.dtype) for c in (k_cache, v_cache))
         out[rows] = sdpa_attention(q[rows].transpose(0, 1)[None], ki[None], vi[None])[0] \
             .transpose(0, 1)
     return out
 
 
-def _gather(cache: torch.Tensor, meta: PagedMetadata, i: int) -> torch.Tensor:
-    """Sequence i's cached keys or values -> [Hkv, seq_len, D]."""
+def _gather(cache: KVCache, meta: PagedMetadata, i: int, dtype: torch.dtype) -> torch.Tensor:
+    """Sequence i's cached keys or values -> [Hkv, seq_len, D] in ``dtype``."""
     n = meta.ctx_lens[i] + meta.q_lens[i]
     blocks = meta.block_tables[i, :-(-n // meta.block_size)].long()
-    return cache[blocks].flatten(0, 1)[:n].transpose(0, 1)
+    return read_blocks(cache, blocks, dtype).flatten(0, 1)[:n].transpose(0, 1)
 
 
-def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _attend_group(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache,
                   g: QueryGroup) -> torch.Tensor:
     """The group's rows of the output, [end - start, Hq, D]. Whole blocks are gathered (a few
     large copies, much faster than one per token); the query heads sharing a KV head are stacked
@@ -293,7 +299,7 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     hq, d = q.shape[1:]
     hkv = k_cache.shape[2]
     b, n_q, grp = g.last - g.first, g.q_slots, hq // hkv
-    keys, values = (c.index_select(0, g.blocks).view(b, -1, hkv, d).transpose(1, 2)
+    keys, values = (read_blocks(c, g.blocks, q.dtype).view(b, -1, hkv, d).transpose(1, 2)
                     for c in (k_cache, v_cache))                           # [B, Hkv, L, D]
     qg = q.index_select(0, g.pad_rows).view(b, n_q, hkv, grp, d).permute(0, 2, 3, 1, 4)
     out = F.scaled_dot_product_attention(qg.reshape(b, hkv, grp * n_q, d), keys, values,
@@ -303,9 +309,10 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k_cache: KVCache, v_cache: KVCache,
                            meta: PagedMetadata) -> torch.Tensor:
-    """The same contract through the Triton paged kernels (compiled on CUDA, else interpreted)."""
+    """The same contract through the Triton paged kernels (compiled on CUDA, else interpreted);
+    caches in q's dtype only."""
     if meta.has_masks:
         return sdpa_paged_attention(q, k, v, k_cache, v_cache, meta)
     from ..device import setup_triton
@@ -322,7 +329,7 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        k_cache: KVCache, v_cache: KVCache,
                         meta: PagedMetadata) -> torch.Tensor:
     """The same contract, ``meta.direct`` through the C++ kernel (metadata built with
     ``direct=True``), the rest as :func:`sdpa_paged_attention`."""
@@ -351,6 +358,9 @@ class PagedAttentionBackend(Protocol):
     - k_cache, v_cache: [num_blocks, block_size, Hkv, D], this layer's pool. Position p of
       sequence s sits in block ``meta.block_tables[s, p // block_size]`` at offset
       ``p % block_size``; s has ``meta.seq_lens[s] = ctx_lens[s] + q_lens[s]`` positions.
+      In q's dtype, unless the backend declares ``narrow_kv`` and the engine stores its KV
+      narrower (``kv_cache_dtype``): then a tensor of a narrower float dtype, or an
+      :class:`~minillm.attention.kv_quant.Int8Blocks` (``read_blocks`` reads either).
     - meta: :class:`PagedMetadata`.
 
     Returns [N, Hq, D] in q's dtype: row j of sequence s (position ``ctx_lens[s] + j``) is the
@@ -373,6 +383,9 @@ class PagedAttentionBackend(Protocol):
       kernel itself instead of this backend: only for a backend that computes exactly that
       kernel's attention. A backend that must see every call (a recorder, a student's
       version) says False, and the step runs eagerly through it.
+    - ``narrow_kv`` (optional, default False): it reads caches stored in another format than
+      q's dtype (a narrower float or int8, above); ``kv_cache_dtype`` other than the model's
+      needs such a backend.
     """
 
     name: str
@@ -380,7 +393,7 @@ class PagedAttentionBackend(Protocol):
     cpu_fast_path: bool
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_cache: KVCache, v_cache: KVCache,
                  meta: PagedMetadata) -> torch.Tensor: ...
 
 
@@ -392,18 +405,32 @@ class FunctionBackend:
     fn: PagedAttentionFn
     reads_direct: bool = False
     cpu_fast_path: bool = False
+    narrow_kv: bool = False
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_cache: KVCache, v_cache: KVCache,
                  meta: PagedMetadata) -> torch.Tensor:
         return self.fn(q, k, v, k_cache, v_cache, meta)
 
 
 PAGED_BACKENDS: dict[str, PagedAttentionBackend] = {
-    "sdpa": FunctionBackend("sdpa", sdpa_paged_attention),
+    "sdpa": FunctionBackend("sdpa", sdpa_paged_attention, narrow_kv=True),
     "triton": FunctionBackend("triton", triton_paged_attention),
-    "cpu": FunctionBackend("cpu", cpu_paged_attention, reads_direct=True, cpu_fast_path=True),
+    "cpu": FunctionBackend("cpu", cpu_paged_attention, reads_direct=True, cpu_fast_path=True,
+                           narrow_kv=True),
 }
+
+
+def check_kv_format(backend: PagedAttentionBackend, kv_dtype: torch.dtype,
+                    dtype: torch.dtype) -> None:
+    """ValueError naming ``kv_cache_dtype`` unless ``backend`` reads a cache stored as
+    ``kv_dtype`` for a model computing in ``dtype``."""
+    if kv_dtype != dtype and not getattr(backend, "narrow_kv", False):
+        readers = sorted(n for n, b in PAGED_BACKENDS.items() if b.narrow_kv)
+        raise ValueError(f"kv_cache_dtype {str(kv_dtype).removeprefix('torch.')!r} differs from "
+                         f"the model's {str(dtype).removeprefix('torch.')} and attention backend "
+                         f"{backend.name!r} reads only caches in the model's dtype; use one of "
+                         f"{readers} or kv_cache_dtype='auto'")
 
 
 def default_paged_backend(device: torch.device, dtype: torch.dtype) -> str:

@@ -208,7 +208,9 @@ def run_throughput_bench(model_name: str = REAL_MODEL, num_requests: int = 64,
     stats: dict = {}
     engine = loaded_engine(model, tok, work, **engine_options)
     engine.warmup()          # untimed, like the peers' start-up (vLLM's LLM() warms up too)
-    results = [timed_run("minillm", dtype_name(dt), "continuous batching, paged KV", work, dev,
+    kv = engine_options.get("kv_cache_dtype", "auto")
+    note = "continuous batching, paged KV" + ("" if kv == "auto" else f" in {kv}")
+    results = [timed_run("minillm", dtype_name(dt), note, work, dev,
                      lambda engine=engine: stats.update(run_minillm(engine)))]
     del engine
     say(f"minillm: {results[-1]} {stats}")
@@ -287,6 +289,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default=None,
                         help="minillm's paged attention: sdpa, triton or cpu (default: as the "
                              "engine picks, the C++ kernel on a CPU that builds it)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="how minillm stores K/V: auto (the model's dtype), bfloat16 or "
+                             "int8 (default: %(default)s)")
     add_peers(parser)
 
 
@@ -298,6 +303,7 @@ def main(args: argparse.Namespace) -> int:
                                   args.hf_batch, peers_of(args), threads=args.threads,
                                   say=log_to_stderr, profile_steps=args.profile_steps,
                                   max_num_seqs=args.max_num_seqs,
+                                  kv_cache_dtype=args.kv_cache_dtype,
                                   **({"attention_backend": args.attention_backend}
                                      if args.attention_backend else {}))
     return write_report(args, report, throughput_table(report), plot_throughput)

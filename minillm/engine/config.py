@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..attention.kv_quant import resolve_kv_dtype
 from ..attention.paged import PagedAttentionBackend, get_paged_backend
 from ..cache.block_pool import BlockAllocator
 from ..cache.offload import OffloadConfig, physical_memory
@@ -113,6 +114,10 @@ class EngineConfig(SchedulerConfig):
     package's :func:`~.sampler.sample_rows`); a row whose token it gets wrong fails its request.
     ``fuse_ops``: the runner's CPU fast path (:mod:`~.cpu_forward`) where it applies; it runs
     no ``nn.Module`` hooks, so turn it off to hook the model's layers.
+    ``kv_cache_dtype``: how the pool stores keys and values (vLLM's option of that name):
+    "auto" (the model's dtype), "bfloat16" below a float32 model (half the bytes), or "int8"
+    (symmetric, one float32 scale per token and KV head; :mod:`minillm.attention.kv_quant`).
+    Needs an attention backend that reads such caches (cpu, sdpa).
     """
 
     block_size: int = 16
@@ -133,9 +138,11 @@ class EngineConfig(SchedulerConfig):
     block_allocator: str | Callable[[int], BlockAllocator] = "fifo"
     fuse_ops: bool = True
     sampler: Sampler | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        resolve_kv_dtype(self.kv_cache_dtype, torch.float32)     # a known name
         if self.kv_connector is not None and not isinstance(self.kv_connector, KVConnector):
             raise ValueError(f"kv_connector must be a minillm.engine.connector.KVConnector, got "
                              f"{type(self.kv_connector).__name__}")
@@ -181,21 +188,37 @@ def check_prefix_cache_option(kind: object) -> None:
                          f"block size")
 
 
-def kv_blocks_for_memory(model: Transformer, block_size: int, memory: int | None) -> int:
-    """How many blocks fit in ``memory`` bytes (default: 90% of free GPU memory, or 2 GiB)."""
+def kv_storage_dtype(config: EngineConfig, model: Transformer) -> torch.dtype:
+    """The dtype the KV pool stores for ``model`` under ``config.kv_cache_dtype``: the model's,
+    a narrower float, or int8; ValueError naming the option for one wider than the model's."""
+    kv = resolve_kv_dtype(config.kv_cache_dtype, model.dtype)
+    if kv.is_floating_point and kv.itemsize > model.dtype.itemsize:
+        raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} is wider than the model's "
+                         f"{str(model.dtype).removeprefix('torch.')}: use 'auto' or a narrower "
+                         f"one")
+    if kv == torch.float16 and model.dtype == torch.bfloat16:
+        raise ValueError("kv_cache_dtype 'float16' cannot hold a bfloat16 model's range: use "
+                         "'auto' or 'int8'")
+    return kv
+
+
+def kv_blocks_for_memory(model: Transformer, block_size: int, memory: int | None,
+                         kv_dtype: torch.dtype | None = None) -> int:
+    """How many blocks fit in ``memory`` bytes (default: 90% of free GPU memory, or 2 GiB),
+    stored as ``kv_dtype`` (default the model's)."""
     if memory is None:
         if model.device.type == "cuda":
             memory = int(torch.cuda.mem_get_info(model.device)[0] * 0.9)
         else:
             memory = 2 * GiB
-    return max(1, memory // block_bytes(model.cfg, block_size, model.dtype))
+    return max(1, memory // block_bytes(model.cfg, block_size, kv_dtype or model.dtype))
 
 
 def check_pool_fits(model: Transformer, num_blocks: int, num_cpu_blocks: int,
-                    block_size: int) -> None:
+                    block_size: int, kv_dtype: torch.dtype | None = None) -> None:
     """ValueError naming the option when the KV pools would not fit this machine's memory
     (the device's, and RAM for the CPU swap pool and for a pool on the CPU)."""
-    size = block_bytes(model.cfg, block_size, model.dtype)
+    size = block_bytes(model.cfg, block_size, kv_dtype or model.dtype)
     ram = physical_memory()
     if model.device.type == "cuda":
         total = torch.cuda.get_device_properties(model.device).total_memory
@@ -212,9 +235,10 @@ def check_pool_fits(model: Transformer, num_blocks: int, num_cpu_blocks: int,
 
 def pool_sizes(model: Transformer, config: EngineConfig) -> tuple[int, int]:
     """(device blocks, CPU swap blocks) of an engine with ``config``, checked to fit."""
+    kv = kv_storage_dtype(config, model)
     num_blocks = config.num_kv_blocks or kv_blocks_for_memory(model, config.block_size,
-                                                              config.kv_cache_memory)
+                                                              config.kv_cache_memory, kv)
     num_cpu = 0 if config.preemption == "recompute" else \
-        int(config.swap_space * GiB) // block_bytes(model.cfg, config.block_size, model.dtype)
-    check_pool_fits(model, num_blocks, num_cpu, config.block_size)
+        int(config.swap_space * GiB) // block_bytes(model.cfg, config.block_size, kv)
+    check_pool_fits(model, num_blocks, num_cpu, config.block_size, kv)
     return num_blocks, num_cpu

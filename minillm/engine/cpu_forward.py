@@ -37,8 +37,8 @@ from collections.abc import Callable, Collection
 import torch
 from torch import nn
 
-from ..attention.paged import attend_groups_and_singles
-from ..cache.pool import PagedBatch
+from ..attention.paged import KVCache, attend_groups_and_singles
+from ..cache.pool import PagedBatch, PagedKVPool
 from ..model.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
 from ..model.packed import PackedGroup, PackedLinear, can_pack_linears
 from ..model.transformer import Block, LayerCall, Transformer
@@ -188,14 +188,14 @@ class CpuForward:
                 before_layer(i)
             q, k, v = qkv(norm(delta, layer.attn_norm)).split(
                 [hq * hd, hkv * hd, hkv * hd], dim=1)                # views of one [N, .]
-            q_rot = fused.rope_store_into(q, k, v, cos, sin, pool.k[i], pool.v[i],
-                                          meta.slot_mapping, torch.empty(n, hq, hd, dtype=dt))
+            q_rot, k_cache, v_cache = self._rope_store(fused, q, k, v, cos, sin, pool, i,
+                                                       meta.slot_mapping)
             out = torch.empty_like(q_rot)
             if meta.direct.numel():
-                attention.attend_in_place(q_rot, pool.k[i], pool.v[i], meta.block_tables,
+                attention.attend_in_place(q_rot, k_cache, v_cache, meta.block_tables,
                                           meta.seq_lens, meta.cu_seqlens_q, meta.direct, out)
             if meta.has_masks:                 # tree drafts: SDPA with their masks
-                attend_groups_and_singles(q_rot, None, None, pool.k[i], pool.v[i], meta, out)
+                attend_groups_and_singles(q_rot, None, None, k_cache, v_cache, meta, out)
             delta = o(out.view(n, -1))
             gate, up = gate_up(norm(delta, layer.ffn_norm)).chunk(2, dim=1)
             delta = down(fused.silu_mul_into(gate, up, torch.empty(n, gate.shape[1], dtype=dt)))
@@ -205,3 +205,15 @@ class CpuForward:
                 x.add_(delta)
                 delta, kept[i] = None, x.clone()
         return norm(delta, model.norm), kept
+
+    @staticmethod
+    def _rope_store(fused, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, pool: PagedKVPool, layer: int,
+                    slots: torch.Tensor) -> tuple[torch.Tensor, KVCache, KVCache]:
+        """(rope(q) [N, Hq, hd], the layer's k_cache, v_cache) after storing rope(k), v at
+        ``slots`` in the pool's format (the model's dtype, bfloat16, or int8 and scales)."""
+        k_cache, v_cache = pool.layer(layer)
+        q_out = torch.empty(q.shape[0], q.shape[1] // pool.k.shape[4], pool.k.shape[4],
+                            dtype=q.dtype)
+        return fused.rope_store_into(q, k, v, cos, sin, k_cache, v_cache, slots, q_out), \
+            k_cache, v_cache

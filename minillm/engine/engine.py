@@ -24,7 +24,7 @@ from ..checkpoint.tokenizer import Tokenizer
 from ..config import SamplingParams
 from ..model.transformer import Transformer
 from ..sampling import make_generator
-from .config import EngineConfig, make_prefix_cache, pool_sizes
+from .config import EngineConfig, kv_storage_dtype, make_prefix_cache, pool_sizes
 from .connector import StoreConnector
 from .constraints import ConstraintCompiler
 from .detokenizer import IncrementalDetokenizer
@@ -71,7 +71,8 @@ class LLMEngine(KVHandoff):
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_cpu, backend,
                                   config.pack_linears, config.max_num_batched_tokens,
                                   config.max_num_seqs, config.static_buffers, self.blocks.tables,
-                                  self.connector, cuda_graphs=config.cuda_graphs)
+                                  self.connector, cuda_graphs=config.cuda_graphs,
+                                  kv_dtype=kv_storage_dtype(config, model))
         self.runner.fuse_ops = config.fuse_ops
         if config.sampler is not None:
             self.runner.sampler.sampler = config.sampler

@@ -24,6 +24,7 @@ from ..attention.paged import (
     StepBuffers,
     batch_order,
     build_metadata,
+    check_kv_format,
     get_paged_backend,
 )
 from ..cache.pool import PagedBatch, PagedKVPool
@@ -63,7 +64,8 @@ class ModelRunner:
                  pack: bool | None = None, max_rows: int = 4096, max_seqs: int = 256,
                  static_buffers: bool | None = None,
                  tables: Mapping[int, list[int]] | None = None,
-                 connector: KVConnector | None = None, cuda_graphs: bool = False) -> None:
+                 connector: KVConnector | None = None, cuda_graphs: bool = False,
+                 kv_dtype: torch.dtype | None = None) -> None:
         """``attention_backend``: a name or a
         :class:`~minillm.attention.paged.PagedAttentionBackend` (``self.attn``; its name is
         ``self.attention_backend``). ``tables``: the block manager's block tables (read, never
@@ -75,7 +77,8 @@ class ModelRunner:
         no sequence owns (padding rows of a padded decode step write there).
         ``cuda_graphs``: on CUDA with the triton backend, a model without experts and no
         connector, capture the decode steps now and replay them (:meth:`use_decode_graphs`;
-        static buffers on); ignored on other devices."""
+        static buffers on); ignored on other devices. ``kv_dtype``: how the pool stores K/V
+        (default the model's dtype; see ``EngineConfig.kv_cache_dtype``)."""
         self.model, self.block_size = model, block_size
         if pack or (pack is None and can_pack_linears(model.device, model.dtype)):
             pack_linears(model)
@@ -84,9 +87,10 @@ class ModelRunner:
             static_buffers = model.device.type == "cuda"
         static_buffers = static_buffers or cuda_graphs
         self.scratch_block: int | None = num_blocks if static_buffers else None
-        self.pool = PagedKVPool(model.cfg, num_blocks + int(static_buffers), block_size,
-                                model.device, model.dtype, num_cpu_blocks)
         self.attn: PagedAttentionBackend = get_paged_backend(attention_backend)
+        check_kv_format(self.attn, kv_dtype or model.dtype, model.dtype)
+        self.pool = PagedKVPool(model.cfg, num_blocks + int(static_buffers), block_size,
+                                model.device, model.dtype, num_cpu_blocks, kv_dtype)
         self.attention_backend = self.attn.name
         blocks_per_seq = -(-model.cfg.max_seq_len // block_size)
         self.buffers = StepBuffers(max_rows, max_seqs, blocks_per_seq, model.device) \

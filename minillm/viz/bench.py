@@ -50,6 +50,33 @@ def plot_throughput(report: dict):
     return fig
 
 
+def plot_kvcache(report: dict):
+    """KV cache formats: perplexity change (float32 model), bytes per token, and the serving
+    run's output tokens/s with the most requests running at once on each bar."""
+    ppl, serve = report["perplexity"], report["serving"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    bars = axes[0].bar([r["kv_cache_dtype"] for r in ppl],
+                       [100 * r["ppl_change"] for r in ppl], color="C0")
+    axes[0].bar_label(bars, labels=[f"{r['ppl']:.3f}" for r in ppl])
+    axes[0].set_ylabel(f"perplexity change, % ({ppl[0]['tokens']} tokens)")
+    axes[0].set_title("accuracy (labels: perplexity)", fontsize=10)
+    names = [f"{r['kv_cache_dtype']}\n({r['stored_as']})" for r in serve]
+    bars = axes[1].bar(names, [r["bytes_per_token"] / 1024 for r in serve], color="C1")
+    axes[1].bar_label(bars, fmt="%.1f")
+    axes[1].set_ylabel("KiB per token (all layers, K and V)")
+    axes[1].set_title("memory", fontsize=10)
+    bars = axes[2].bar(names, [r["output_tok_s"] for r in serve], color="C2")
+    axes[2].bar_label(bars, labels=[f"{r['output_tok_s']:.0f} tok/s\n{r['peak_running']} running"
+                                    for r in serve], fontsize=8)
+    axes[2].set_ylabel("output tokens / s")
+    axes[2].margins(y=0.25)
+    w = report["workload"]
+    axes[2].set_title(f"{w['num_requests']} requests, {w['kv_memory_mib']} MiB of KV, "
+                      f"{report['dtype']} model", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def plot_spec(report: dict):
     """Speculative decoding: acceptance by draft position (batch 1), speedup vs lookahead k
     (batch 1; only when the report swept k) and speedup vs batch size, one colour per

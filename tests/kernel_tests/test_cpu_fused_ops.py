@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from minillm.kernels import cpu_fused_ops as ops
 
+from minillm.attention.kv_quant import Int8Blocks, store
 from minillm.model.layers import RMSNorm, apply_rope, rope_cos_sin
 
 pytestmark = pytest.mark.skipif(not ops.available(),
@@ -68,6 +69,34 @@ def test_rope_store_rotates_q_and_stores_rotated_k_and_v_at_the_slots(dtype):
     untouched = torch.ones(64, dtype=torch.bool)
     untouched[slots] = False
     assert not k_cache.view(-1, hkv, d)[untouched].any()
+
+
+@pytest.mark.parametrize("dtype,fmt", list(ops.KV_FORMATS))
+def test_rope_store_into_a_narrower_cache_equals_the_eager_store(dtype, fmt):
+    """A bfloat16 cache below float32, an int8 one (with scales) below either: the stored
+    values and scales are exactly those of the eager rope then ``kv_quant.store``."""
+    g = torch.Generator().manual_seed(1)
+    n, hq, hkv, d = 21, 9, 3, 64
+    qkv = (torch.randn(n, (hq + 2 * hkv) * d, generator=g) * 3).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    cos, sin = rope_cos_sin(torch.randint(0, 4000, (n,), generator=g), d, 1e4, dtype)
+    slots = torch.randperm(64, generator=g)[:n]
+    k_rot = apply_rope(k.reshape(n, hkv, d).transpose(0, 1)[None], cos[None, None],
+                       sin[None, None])[0].transpose(0, 1)
+
+    def empty_cache():
+        data = torch.zeros(4, 16, hkv, d, dtype=fmt)
+        return Int8Blocks(data, torch.zeros(4, 16, hkv)) if fmt == torch.int8 else data
+
+    got, want = [empty_cache(), empty_cache()], [empty_cache(), empty_cache()]
+    ops.rope_store_into(q, k, v, cos, sin, *got, slots, torch.empty(n, hq, d, dtype=dtype))
+    store(want[0], k_rot, slots)
+    store(want[1], v.reshape(n, hkv, d), slots)
+    for a, b in zip(got, want):
+        if fmt == torch.int8:
+            assert torch.equal(a.data, b.data) and torch.equal(a.scale, b.scale)
+        else:
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

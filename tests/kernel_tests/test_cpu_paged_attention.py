@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minillm.attention.kv_quant import Int8Blocks, dequantize_int8, quantize_int8
 from minillm.device import setup_triton
 
 setup_triton()
@@ -54,6 +55,36 @@ def test_matches_float64_reference(hq, hkv, d, bs, dtype, tol):
     assert err < tol * (1 if dtype == torch.float32 else 4), err
 
 
+def narrow(cache: torch.Tensor, fmt: torch.dtype):
+    """(the cache stored as ``fmt``, what it reads back as in float64)."""
+    if fmt == torch.int8:
+        data, scale = quantize_int8(cache)
+        return Int8Blocks(data, scale), dequantize_int8(data, scale, torch.float64)
+    return cache.to(fmt), cache.to(fmt).double()
+
+
+@pytest.mark.parametrize("dtype,fmt,tol", [(torch.float32, torch.bfloat16, 2e-6),
+                                           (torch.float32, torch.int8, 2e-6),
+                                           (torch.bfloat16, torch.int8, 1.6e-2)])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (6, 2, 40, 5)])
+def test_a_narrow_cache_reads_back_as_stored(hq, hkv, d, bs, dtype, fmt, tol):
+    """A bfloat16 cache below float32 queries, an int8 one (with per-token, per-head scales)
+    below either: the kernel's output is float64 attention over the cache as stored, read
+    back (bfloat16 widened, int8 times its scale), to the queries' own rounding."""
+    q, kc, vc, tables, lens, cu = make_case(hq, hkv, d, bs, seed=d + bs)
+    (k_store, k_read), (v_store, v_read) = narrow(kc, fmt), narrow(vc, fmt)
+    q = q.to(dtype)
+    out = kernel.cpu_paged_attention(q, k_store, v_store, tables, lens, cu)
+    ref = paged_prefill_reference(q.double(), k_read, v_read, tables, cu, lens)[0]
+    assert out.dtype == dtype
+    err = (out.double() - ref).abs().max().item()
+    assert err < tol * (1 if dtype == torch.float32 else 4), err
+    if dtype == torch.float32:       # float32 queries see the storage's rounding
+        exact = paged_prefill_reference(q.double(), kc.double(), vc.double(), tables, cu,
+                                        lens)[0]
+        assert (out.double() - exact).abs().max().item() > 100 * tol
+
+
 def test_only_the_chosen_sequences_rows_are_written():
     q, kc, vc, tables, lens, cu = make_case()
     out = torch.full_like(q, 7.0)
@@ -89,6 +120,8 @@ BAD = {
     "seq_lens": lambda c: (*c[:4], c[4] + 10_000, c[5]),
     "cu_seqlens_q": lambda c: (*c[:5], c[5][:-1]),
     "head_dim": lambda c: (c[0][..., :32].contiguous(), *c[1:]),
+    "k_cache and v_cache": lambda c: (c[0], c[1].half(), c[2].half(), *c[3:]),
+    "scales": lambda c: (c[0], c[1].to(torch.int8), c[2].to(torch.int8), *c[3:]),
 }
 
 
