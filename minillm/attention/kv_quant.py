@@ -27,7 +27,6 @@ from typing import NamedTuple
 import torch
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
-INT8_MAX = 127
 SCALE_DTYPE = torch.float32
 
 
@@ -67,13 +66,23 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int,
     return 2 * n_layers * n_kv_heads * per_head
 
 
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (int8 [..., D], float32 scale [...]): symmetric per-vector absmax.
-    An all-zero vector gets scale 0 (and reads back as zeros)."""
-    scale = x.abs().amax(-1).to(SCALE_DTYPE) / INT8_MAX
+def quantize_absmax(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8 [..., D] in [-qmax, qmax], float32 scale [...]) with qmax =
+    2^(bits-1) - 1: symmetric per-vector absmax, scale = max|x| / qmax, q = round(x / scale)
+    (ties to even). An all-zero vector gets scale 0 (and reads back as zeros)."""
+    if not 2 <= bits <= 8:
+        raise ValueError(f"bits must be in [2, 8], got {bits}")
+    qmax = 2 ** (bits - 1) - 1
+    scale = x.abs().amax(-1).to(SCALE_DTYPE) / qmax
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (x.to(SCALE_DTYPE) / safe[..., None]).round().clamp_(-INT8_MAX, INT8_MAX)
+    q = (x.to(SCALE_DTYPE) / safe[..., None]).round().clamp_(-qmax, qmax)
     return q.to(torch.int8), scale
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8 [..., D], float32 scale [...]): the 8-bit :func:`quantize_absmax`,
+    the engine's int8 cache."""
+    return quantize_absmax(x, 8)
 
 
 def dequantize_int8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

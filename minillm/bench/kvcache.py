@@ -10,7 +10,8 @@ memory and serving, on this machine, in one run.
 - **serving**: one workload (``num_requests`` requests at once, seeded prompt and output
   lengths, greedy, EOS ignored) through the engine in its serving dtype with the same KV memory
   budget (``kv_memory_mib``) in each format: blocks, the most requests running at once,
-  preemptions, output tokens/s, and the mean decode-only step.
+  preemptions, output tokens/s, the seconds of steps that prefilled and of decode-only steps,
+  and the mean decode-only step.
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def serving_rows(model, tok, formats, kv_memory: int, num_requests: int, prompt_
                      "peak_running": max(len(r.request_ids) for r in engine.trace),
                      "preemptions": stats["preemptions"], "seconds": round(wall, 3),
                      "output_tok_s": work.output_tokens / wall,
+                     "prefill_step_seconds": stats["prefill_step_seconds"],
+                     "decode_step_seconds": stats["decode_step_seconds"],
                      "decode_ms_per_step": 1e3 * stats["decode_step_seconds"]
                      / max(stats["decode_steps"], 1)})
         say(f"{fmt}: {rows[-1]}")

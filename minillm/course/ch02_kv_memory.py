@@ -6,11 +6,18 @@ Every token of every sequence keeps, in every layer, a key and a value per KV he
 
 DeepSeek-V2's MLA instead keeps one latent of kv_lora_rank numbers plus a shared RoPE key of
 rope_dim numbers per token and layer (DeepSeek-V2 paper, section 2.1 and Table 1).
+
+The bytes per number depend on how the cache stores them (:func:`kv_format_table`): the
+model's float32 or bfloat16, or int8 plus one float32 scale per token and KV head
+(``EngineConfig(kv_cache_dtype=...)``, :mod:`minillm.attention.kv_quant`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from ..attention.kv_quant import kv_bytes_per_token
 from ..config import PRESETS, ModelConfig
 from .ch01_variants import kv_cache_bytes_per_token
 
@@ -90,4 +97,25 @@ def kv_memory_table(context_len: int, batch: int = 1, bytes_per_elem: int = 2,
             "kv_bytes": total,
             "kv_gib": total / 2**30,
         })
+    return rows
+
+
+KV_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
+def kv_format_table(context_len: int, batch: int = 1,
+                    models: tuple[ModelConfig, ...] = (PRESETS["smollm2-135m"],
+                                                       PRESETS["llama-3-70b"])) -> list[dict]:
+    """One row per model and storage format of :data:`KV_FORMATS`: bytes per token (int8 with
+    its scales) and the cache of ``batch`` sequences of ``context_len`` tokens.
+
+    Keys: model, kv_cache_dtype, bytes_per_token, vs_float32 (that over float32's), kv_gib."""
+    rows = []
+    for cfg in models:
+        full = kv_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.float32)
+        for name, dtype in KV_FORMATS.items():
+            per = kv_bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype)
+            rows.append({"model": cfg.name, "kv_cache_dtype": name, "bytes_per_token": per,
+                         "vs_float32": per / full,
+                         "kv_gib": per * context_len * batch / 2**30})
     return rows

@@ -4,11 +4,13 @@ Each ``check_*`` takes the student's function or class, compares it with the pac
 cases, prints a one-line verdict and returns a :class:`~minillm.labs.common.Result` (``passed``
 is None while the exercise still raises NotImplementedError).
 
-Three are builds that then run inside the model: the student's decode step computes every
+Four are builds that then run inside the model: the student's decode step computes every
 attention of a model while :func:`minillm.generate.generate` runs it
-(:class:`FunctionDecodeCache`), their cache class is the cache ``generate`` fills, and their H2O
-eviction step decides what an H2O cache keeps while a model reads a text
-(:class:`FunctionH2OCache`, which the chapter's perplexity table then uses).
+(:class:`FunctionDecodeCache`), their cache class is the cache ``generate`` fills, their KV
+quantizer decides what a quantized cache stores while a model reads a text
+(:class:`FunctionQuantCache`, which the chapter's bits sweep then uses), and their H2O
+eviction step decides what an H2O cache keeps (:class:`FunctionH2OCache`, which the chapter's
+perplexity table then uses).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from collections.abc import Callable
 import torch
 
 from ..attention import AttentionFn, attention_with_lse, causal_mask
-from ..cache import Cache, H2OCache, KVCache, SinkCache, SlidingWindowCache
+from ..attention.kv_quant import dequantize_int8, quantize_absmax
+from ..cache import Cache, H2OCache, KVCache, QuantizedKVCache, SinkCache, SlidingWindowCache
 from ..checkpoint.loader import random_model
 from ..checkpoint.tokenizer import Tokenizer
 from ..config import PRESETS, ModelConfig
@@ -281,6 +284,59 @@ def check_h2o_keep(fn: Callable, model: Transformer | None = None,
     return check("h2o_keep", attempt)
 
 
+def check_quantize_kv(fn: Callable[[torch.Tensor, int], tuple], model: Transformer | None = None,
+                      ids: list[int] | None = None) -> Result:
+    """``fn(x, bits)`` -> (q, scale): x [..., D] float, q int8 [..., D] with values in
+    [-qmax, qmax] (qmax = 2^(bits-1) - 1), scale float32 [...] = max|x| / qmax over each
+    vector's D numbers, q = round(x / scale) (ties to even; a zero vector: scale 0, q 0).
+
+    Compared with :func:`minillm.attention.kv_quant.quantize_absmax` at 8, 6, 4, 3 and 2 bits
+    on vectors of very different sizes, then used inside a cache (:class:`FunctionQuantCache`,
+    8 bits) while ``model`` (default: a small random one; a 16-bit model as a float32 copy)
+    reads the first 48 of ``ids`` (default: random tokens): its logits must equal those
+    through the package's int8 cache (:class:`~minillm.cache.QuantizedKVCache`, the format of
+    ``kv_cache_dtype="int8"``).
+    """
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 7, 64, generator=gen) * torch.logspace(-2, 2, 7)[:, None]
+    x[0, 1, 2] = 0.0                                         # a zero vector
+    x[1, 0, 3, 5] = 40.0                                      # an outlier in one channel
+    n = 48
+    if ids is not None and len(ids) < n:
+        raise ValueError(f"ids must hold at least {n} tokens, got {len(ids)}")
+
+    def attempt() -> None:
+        for bits in (8, 6, 4, 3, 2):
+            got = fn(x.clone(), bits)
+            want_q, want_s = quantize_absmax(x, bits)
+            assert isinstance(got, tuple) and len(got) == 2, "return (q, scale)"
+            q, scale = got
+            _assert_tensor(q, tuple(want_q.shape), torch.int8, f"bits={bits}: q")
+            _assert_tensor(scale, tuple(want_s.shape), torch.float32, f"bits={bits}: scale")
+            bad = [tuple(i) for i in (scale != want_s).nonzero().tolist()]
+            assert not bad, (f"bits={bits}: scale at {list(bad[0])} is {scale[bad[0]]:.6g}, "
+                             f"expected {want_s[bad[0]]:.6g}")
+            bad = [tuple(i) for i in (q != want_q).nonzero().tolist()]
+            assert not bad, (f"bits={bits}: q at {list(bad[0])} is {int(q[bad[0]])}, expected "
+                             f"{int(want_q[bad[0]])} (x = {x[bad[0]]:.6g}, scale "
+                             f"{want_s[bad[0][:-1]]:.6g})")
+        net = random_model(PRESETS["tiny"].with_(vocab_size=512), seed=6) if model is None \
+            else full_precision(model)
+        text = (torch.randint(0, net.cfg.vocab_size, (1, n), generator=gen) if ids is None
+                else torch.tensor([ids[:n]])).to(net.device)
+        with torch.inference_mode():
+            mine = net(text, cache=FunctionQuantCache(net.cfg, n, fn, 8, net.device, net.dtype))
+            ref = net(text, cache=QuantizedKVCache(net.cfg, 1, n, net.device, net.dtype, "int8"))
+        assert torch.equal(mine, ref), (
+            f"a model reading {n} tokens through a cache of your 8-bit values: logits differ "
+            f"from the package's int8 cache by {(mine - ref).abs().max().item():.3g}")
+        print(f"your quantize_kv matched the package at 8, 6, 4, 3 and 2 bits, and a model "
+              f"reading {n} tokens through a cache of your 8-bit values gave the logits of the "
+              f"package's int8 cache (kv_cache_dtype='int8') exactly")
+
+    return check("quantize_kv", attempt)
+
+
 def check_visible_keys(fn: Callable[[int, int, int, int], torch.Tensor]) -> Result:
     """``fn(n, window, n_sink, chunk)`` -> [n, n] bool: True where query i sees key j while a
     window (``n_sink=0``) or sink cache of ``window`` tokens reads n tokens: the first
@@ -382,9 +438,32 @@ class CheckedCache(Cache):
         return len(self.cache)
 
 
+class FunctionQuantCache(KVCache):
+    """A contiguous cache (batch 1) whose keys and values are stored as exercise 5's
+    ``quantize_kv(x, bits)`` -> (q, scale) quantizes them, and read back as q * scale: what a
+    model attends to through it is exactly what ``fn`` kept."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, fn: Callable, bits: int = 8,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(cfg, 1, max_len, device, dtype)
+        self.fn, self.bits = fn, bits
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        return super().update(layer, self._stored(k, "keys"), self._stored(v, "values"))
+
+    def _stored(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """x [B, H_kv, T, hd] as the cache keeps it: fn's (q, scale) read back."""
+        where = f"inside the model, after {self.seen} tokens: quantize_kv of the {what}"
+        got = self.fn(x, self.bits)
+        assert isinstance(got, tuple) and len(got) == 2, f"{where} must return (q, scale)"
+        _assert_tensor(got[0], tuple(x.shape), torch.int8, f"{where} returned q")
+        _assert_tensor(got[1], tuple(x.shape[:-1]), torch.float32, f"{where} returned scale")
+        return dequantize_int8(got[0], got[1], x.dtype)
+
+
 class FunctionH2OCache(H2OCache):
     """The package's :class:`~minillm.cache.H2OCache` (its scores, attention and storage) with
-    every eviction step decided by ``fn``, exercise 6's ``h2o_keep(score, pos, end, budget,
+    every eviction step decided by ``fn``, exercise 7's ``h2o_keep(score, pos, end, budget,
     n_recent)`` -> indices [B, H_kv, budget] of the tokens that stay, in position order."""
 
     def __init__(self, cfg: ModelConfig, budget: int, n_recent: int, fn: Callable) -> None:

@@ -224,3 +224,28 @@ def plot_policy_explorer(results: dict, policy: str, budget: int,
     loss.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def plot_kv_bits(rows) -> plt.Figure:
+    """Perplexity (log scale) against the bits each cached number is stored in: rows
+    {"label", "bits", "ppl", "bytes_per_token"}, the most bits first (the reference)."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    bits = [r["bits"] for r in rows]
+    ppl = [r["ppl"] for r in rows]
+    ax.semilogy(bits, ppl, "o-")
+    for r in rows:
+        ax.annotate(f"{r['label']}\n{r['bytes_per_token'] / 1024:.1f} KiB/token",
+                    (r["bits"], r["ppl"]), textcoords="offset points", xytext=(0, 8),
+                    ha="center", fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(bits, [str(b) for b in bits])
+    ax.axhline(rows[0]["ppl"], color="k", lw=0.8, ls="--",
+               label=f"{rows[0]['label']} ({rows[0]['ppl']:.2f})")
+    ax.set_xlabel("bits per cached number")
+    ax.set_ylabel("perplexity")
+    ax.set_title("the same text read back from a cache stored in fewer bits", fontsize=10)
+    ax.margins(y=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    return fig

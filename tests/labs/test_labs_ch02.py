@@ -119,6 +119,32 @@ def h2o_keep_marks_scores_in_place(score, pos, end, budget, n_recent):
     return score.topk(budget, dim=-1).indices.sort(dim=-1).values
 
 
+def quantize_kv_over_128(x, bits):
+    q, _ = key.quantize_kv(x, bits)                           # scale max|x| / 2^(bits-1): clips
+    scale = x.abs().amax(-1).float() / 2 ** (bits - 1)
+    return (x / torch.where(scale > 0, scale, 1)[..., None]).round().clamp(-127, 127) \
+        .to(torch.int8), scale
+
+
+def quantize_kv_per_tensor(x, bits):
+    qmax = 2 ** (bits - 1) - 1
+    scale = (x.abs().amax() / qmax).expand(x.shape[:-1]).float().contiguous()
+    return (x / scale.clamp_min(1e-30)[..., None]).round().to(torch.int8), scale
+
+
+def quantize_kv_truncates(x, bits):
+    q, scale = key.quantize_kv(x, bits)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (x.float() / safe[..., None]).to(torch.int8), scale   # int8 cast truncates
+
+
+def quantize_kv_per_channel(x, bits):
+    qmax = 2 ** (bits - 1) - 1
+    scale = x.abs().amax(-2, keepdim=True).float() / qmax     # KIVI's keys: over tokens
+    q = (x.float() / scale.clamp_min(1e-30)).round().clamp(-qmax, qmax).to(torch.int8)
+    return q, scale.squeeze(-2)[..., :1].expand(x.shape[:-1]).contiguous()
+
+
 def visible_keys_ignores_chunk(n, window, n_sink=0, chunk=1):
     return key.visible_keys(n, window, n_sink, 1)  # evicts after every token
 
@@ -146,13 +172,18 @@ CHECKS = [
     (ch02.check_h2o_keep, key.h2o_keep, h2o_keep_no_recent),
     (ch02.check_h2o_keep, key.h2o_keep, h2o_keep_unsorted),
     (ch02.check_h2o_keep, key.h2o_keep, h2o_keep_marks_scores_in_place),  # in the model
+    (ch02.check_quantize_kv, key.quantize_kv, quantize_kv_over_128),
+    (ch02.check_quantize_kv, key.quantize_kv, quantize_kv_per_tensor),
+    (ch02.check_quantize_kv, key.quantize_kv, quantize_kv_truncates),
+    (ch02.check_quantize_kv, key.quantize_kv, quantize_kv_per_channel),
     (ch02.check_visible_keys, key.visible_keys, visible_keys_ignores_chunk),
     (ch02.check_visible_keys, key.visible_keys, visible_keys_window_includes_self),
 ]
 IDS = ["kv_bytes", "kv_bytes_mla", "score_entries", "cache_forgetful", "cache_order",
        "cache_doubles_once", "cache_float32", "window_sinks", "window_off_by_one",
        "decode_unscaled", "decode_gqa_heads", "decode_without_itself", "decode_last_8",
-       "h2o_no_recent", "h2o_unsorted", "h2o_scores_in_place", "mask_ignores_chunk",
+       "h2o_no_recent", "h2o_unsorted", "h2o_scores_in_place", "quant_over_128",
+       "quant_per_tensor", "quant_truncates", "quant_per_channel", "mask_ignores_chunk",
        "mask_window_includes_self"]
 
 

@@ -18,6 +18,14 @@ def kv_bytes(cfg, tokens, batch=1, bytes_per_elem=2):
     return per_token * tokens * batch * bytes_per_elem
 
 
+def quantize_kv(x, bits):
+    qmax = 2 ** (bits - 1) - 1
+    scale = x.abs().amax(dim=-1).float() / qmax           # one scale per vector of D numbers
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(x.float() / safe.unsqueeze(-1)).clamp(-qmax, qmax)
+    return q.to(torch.int8), scale
+
+
 def score_entries(n):
     return n * (n + 1) // 2, n * (n + 1) * (n + 2) // 6
 
@@ -115,6 +123,7 @@ KEY = [
     (ch02.check_cache_append, DoublingCache),
     (ch02.check_sliding_window, kept_positions),
     (ch02.check_decode_attention, decode_attention),
+    (ch02.check_quantize_kv, quantize_kv),
     (ch02.check_h2o_keep, h2o_keep),
     (ch02.check_visible_keys, visible_keys),
 ]
