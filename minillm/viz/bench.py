@@ -60,11 +60,13 @@ def plot_kvcache(report: dict):
     axes[0].bar_label(bars, labels=[f"{r['ppl']:.3f}" for r in ppl])
     axes[0].set_ylabel(f"perplexity change, % ({ppl[0]['tokens']} tokens)")
     axes[0].set_title("accuracy (labels: perplexity)", fontsize=10)
+    axes[0].margins(y=0.15)
     names = [f"{r['kv_cache_dtype']}\n({r['stored_as']})" for r in serve]
     bars = axes[1].bar(names, [r["bytes_per_token"] / 1024 for r in serve], color="C1")
     axes[1].bar_label(bars, fmt="%.1f")
     axes[1].set_ylabel("KiB per token (all layers, K and V)")
     axes[1].set_title("memory", fontsize=10)
+    axes[1].margins(y=0.15)
     bars = axes[2].bar(names, [r["output_tok_s"] for r in serve], color="C2")
     axes[2].bar_label(bars, labels=[f"{r['output_tok_s']:.0f} tok/s\n{r['peak_running']} running"
                                     for r in serve], fontsize=8)

@@ -233,10 +233,10 @@ def plot_kv_bits(rows) -> plt.Figure:
     bits = [r["bits"] for r in rows]
     ppl = [r["ppl"] for r in rows]
     ax.semilogy(bits, ppl, "o-")
-    for r in rows:
+    for i, r in enumerate(rows):                     # labels above and below in turn
         ax.annotate(f"{r['label']}\n{r['bytes_per_token'] / 1024:.1f} KiB/token",
-                    (r["bits"], r["ppl"]), textcoords="offset points", xytext=(0, 8),
-                    ha="center", fontsize=7)
+                    (r["bits"], r["ppl"]), textcoords="offset points",
+                    xytext=(0, 8 if i % 2 == 0 else -26), ha="center", fontsize=7)
     ax.set_xscale("log", base=2)
     ax.set_xticks(bits, [str(b) for b in bits])
     ax.axhline(rows[0]["ppl"], color="k", lw=0.8, ls="--",
@@ -244,7 +244,7 @@ def plot_kv_bits(rows) -> plt.Figure:
     ax.set_xlabel("bits per cached number")
     ax.set_ylabel("perplexity")
     ax.set_title("the same text read back from a cache stored in fewer bits", fontsize=10)
-    ax.margins(y=0.3)
+    ax.set_ylim(rows[0]["ppl"] / 3, max(r["ppl"] for r in rows) * 3)
     ax.legend(fontsize=8, loc="upper right")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
