@@ -287,6 +287,14 @@ def sec_cpu_attention(d: dict) -> list[str]:
                    num(r["cpu_ms_per_layer"], 2), num(r["sdpa_ms_per_layer"], 2),
                    times(r["speedup"]), num(r.get("cpu_kv_read_gb_s")),
                    f"{r['max_abs_diff']:.1e}") for r in d["rows"]])
+    if d.get("kv_formats"):
+        out += ["", "The decode step through the kernel for each KV storage format "
+                "(`kv_cache_dtype`), interleaved:", ""]
+        out += table(["queries", "KV stored as", "kernel ms/layer", "KV bytes/layer",
+                      "KV read GB/s"],
+                     [(r["q_dtype"], r["kv_dtype"], num(r["ms_per_layer"], 2),
+                       mib(r["kv_bytes_per_layer"]), num(r["kv_read_gb_s"]))
+                      for r in d["kv_formats"]])
     return out + [""]
 
 
@@ -370,6 +378,31 @@ def sec_quant(d: dict) -> list[str]:
                    f"{num(r['decode_tok_s'])} ({num(r['decode_speedup'], 2)})",
                    num(r["prefill_tok_s"]), num(r["quantize_s"]), r["kernel"]) for r in rows])
     return out + [""] + figure("bench_quant", "quantization benchmark")
+
+
+def sec_kvcache(d: dict) -> list[str]:
+    w = d["workload"]
+    out = ["### KV cache storage formats: perplexity, capacity and throughput (CPU)", ""]
+    out += [f"Perplexity of {d['perplexity'][0]['tokens']} held-out tokens with the float32 "
+            f"model reading its cache back from each format; then {w['num_requests']} requests "
+            f"at once (prompts of {w['prompt_range'][0]}-{w['prompt_range'][1]} tokens, outputs "
+            f"of {w['output_range'][0]}-{w['output_range'][1]}) through the engine with "
+            f"{w['kv_memory_mib']} MiB of KV in each format, the model in {d['dtype']}. Load "
+            f"average {loads(d.get('load_average'))}.", ""]
+    out += about(d, "kvcache", "python -m minillm bench kvcache")
+    out += [caption(d, "kvcache"), ""]
+    out += table(["KV stored as", "perplexity", "change"],
+                 [(r["kv_cache_dtype"], num(r["ppl"], 3), f"{100 * r['ppl_change']:+.2f}%")
+                  for r in d["perplexity"]])
+    out += [""] + table(["kv_cache_dtype", "bytes/token", "tokens held", "most running",
+                         "preempted", "output tok/s", "prefill steps s", "decode steps s",
+                         "decode ms/step"],
+                        [(f"{r['kv_cache_dtype']} ({r['stored_as']})", r["bytes_per_token"],
+                          r["token_capacity"], r["peak_running"], r["preemptions"],
+                          num(r["output_tok_s"]), num(r.get("prefill_step_seconds")),
+                          num(r.get("decode_step_seconds")), num(r["decode_ms_per_step"]))
+                         for r in d["serving"]])
+    return out + [""] + figure("bench_kvcache", "KV cache formats benchmark")
 
 
 def spec_batch_table(d: dict, name: str, title: str, command: str) -> list[str]:
@@ -912,7 +945,8 @@ CPU_SECTIONS: list[tuple[str, Callable[[dict], list[str]]]] = [
     ("throughput_vllm", sec_throughput_vllm), ("engine_v2_before_after", sec_engine_v2),
     ("cpu_forward", sec_cpu_forward), ("cpu_attention", sec_cpu_attention),
     ("runtime", sec_runtime), ("quant_matmul", sec_quant_matmul),
-    ("packed_linear", sec_packed_linear), ("quant", sec_quant), ("spec", sec_spec),
+    ("packed_linear", sec_packed_linear), ("quant", sec_quant), ("kvcache", sec_kvcache),
+    ("spec", sec_spec),
     ("spec_auto", sec_spec_auto), ("ch06_spec", sec_ch06_spec),
     ("chunked", sec_chunked), ("disagg", sec_disagg), ("prefix", sec_prefix),
     ("serve", sec_serve), ("serve_rate16", sec_serve_rate16)]
