@@ -308,12 +308,20 @@ def sec_runtime(d: dict) -> list[str]:
     out += about(d, "runtime", "python -m minillm bench runtime")
     out += [caption(d, "runtime"), ""]
     llama = next((r["decode_tok_s"] for r in rows if r["config"] == "llama.cpp"), None)
+    if d.get("read_bandwidth_gb_s"):
+        out += [f"Roofline: the bytes a step reads (every linear's weights as stored, or the "
+                f"GGUF file, plus the KV cache at the mean context) at the "
+                f"{num(d['read_bandwidth_gb_s'])} GB/s this process read memory at, over the "
+                f"measured step time.", ""]
     out += table(["config", "weights", "activations", "decode tok/s", "ms/token", "x llama.cpp",
-                  "compile s", "same tokens"],
+                  "compile s", "same tokens", "MB/token", "roofline"],
                  [(r["config"], r["weights"], r["dtype"], num(r["decode_tok_s"]),
                    num(r["step_ms"]), times(r["decode_tok_s"] / llama) if llama else "-",
                    num(r["compile_s"]) if r["compiled"] else "-",
-                   f"{r['same_tokens']}/{d['new_tokens']}") for r in rows])
+                   f"{r['same_tokens']}/{d['new_tokens']}",
+                   num(r["bytes_per_token"] / 1e6) if r.get("bytes_per_token") else "-",
+                   f"{100 * r['roofline_fraction']:.0f}%" if r.get("roofline_fraction")
+                   else "-") for r in rows])
     if d.get("batch_sweep"):
         out += ["", caption(d, "runtime"), ""]
         out += table(["config", "batch", "ms/step", "tok/s", "padded to"],

@@ -66,6 +66,19 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, float]
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes per second this process reads from memory with its torch threads: the best of
+    ``repeats`` sums over a buffer of ``nbytes`` (far larger than the caches), the yardstick
+    of a batch-1 decode step's roofline (it reads every weight once)."""
+    buf = torch.ones(nbytes // 8, dtype=torch.int64)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
 def median_times(runners: Sequence[Runner], repeats: int,
                  device: torch.device) -> list[tuple[float, float]]:
     """(median prefill s, median generate s) per runner.

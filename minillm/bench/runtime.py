@@ -11,6 +11,12 @@ Decode tokens/s = (new_tokens - 1) / (generate time - prefill time), greedy, EOS
 warm-up (which compiles), then the median of ``repeats`` rounds in which all configs take turns
 (:func:`~minillm.bench.common.median_times`). llama.cpp runs the GGUF file's Q4_1 weights.
 
+Each batch-1 row also records the bytes a decode step reads (the weights of every linear as
+stored, :func:`minillm.quant.quantize.weight_bytes`, or the GGUF file for llama.cpp, plus the
+KV cache at the run's mean context) and its *roofline fraction*: those bytes at the memory
+bandwidth this process measures (:func:`~minillm.bench.common.read_bandwidth`) over the
+measured step time, 1.0 being as fast as memory allows.
+
 Part 2 (``batch_sizes``), the decode step alone at several batch sizes: ms per step of the
 eager static step and of each compiled/captured config, batches padded to the next captured
 size (:func:`~minillm.runtime.pad_to_captured`).
@@ -33,7 +39,7 @@ from ..config import SamplingParams
 from ..device import resolve_device, sync
 from ..engine import EngineConfig, LLMEngine
 from ..model.transformer import Transformer
-from ..quant.quantize import quantize_model
+from ..quant.quantize import quantize_model, weight_bytes
 from ..runinfo import available_cores, machine_info
 from ..runtime import StaticDecoder, capture_sizes
 from .common import (
@@ -47,6 +53,7 @@ from .common import (
     median_times,
     minillm_runner,
     rates,
+    read_bandwidth,
     write_report,
 )
 from .decode import common_prefix
@@ -146,16 +153,24 @@ class RuntimeResult:
     compile_s: float
     same_tokens: int
     note: str = ""
+    bytes_per_token: int = 0
+    roofline_fraction: float | None = None
 
 
 def batch_1(model_name: str, configs: Sequence[Config], prompt: list[int], new_tokens: int,
             repeats: int, dev: torch.device, threads: int, llama: bool,
-            say: Callable[[str], None], random_weights: bool = False) -> list[RuntimeResult]:
-    """Part 1: every config (and llama.cpp) at batch 1, interleaved."""
-    runners, decoders = [], []
+            say: Callable[[str], None], random_weights: bool = False
+            ) -> tuple[list[RuntimeResult], float | None]:
+    """Part 1: every config (and llama.cpp) at batch 1, interleaved; and the memory read
+    bandwidth (bytes/s, on a CPU) its roofline fractions use."""
+    runners, decoders, read = [], [], []
+    context = len(prompt) + new_tokens // 2          # the mean context of a decode step
     for cfg in configs:
         say(f"building {cfg.name} ...")
         model = build_model(model_name, cfg, dev, random_weights)
+        shape = model.cfg
+        read.append(weight_bytes(model) + context * shape.kv_bytes_per_token(
+            model.dtype.itemsize))
         if cfg.engine:
             runner, dec = engine_runner(model, cfg, prompt, new_tokens), None
         elif cfg.compile or cfg.graphs:
@@ -166,10 +181,12 @@ def batch_1(model_name: str, configs: Sequence[Config], prompt: list[int], new_t
         runners.append(runner)
         decoders.append(dec)
     if llama:
-        runners.append(llama_cpp_runner(find_smollm2_gguf() if model_name == REAL_MODEL
-                                        else Path(model_name), prompt, new_tokens, threads))
+        gguf = find_smollm2_gguf() if model_name == REAL_MODEL else Path(model_name)
+        runners.append(llama_cpp_runner(gguf, prompt, new_tokens, threads))
+        read.append(gguf.stat().st_size + context * shape.kv_bytes_per_token(2))  # f16 KV
     say("timing " + ", ".join(r.engine for r in runners) + " ...")
     times = median_times(runners, repeats, dev)
+    bandwidth = read_bandwidth() if dev.type == "cpu" else None
     ref = runners[0].output
     out = []
     for i, (r, (p_s, g_s)) in enumerate(zip(runners, times)):
@@ -180,8 +197,9 @@ def batch_1(model_name: str, configs: Sequence[Config], prompt: list[int], new_t
         out.append(RuntimeResult(r.engine, cfg.weights if cfg else "Q4_1", r.dtype,
                                  bool(cfg and cfg.compile), bool(cfg and cfg.graphs), tok_s,
                                  1e3 / tok_s, dec.compile_seconds if dec else 0.0, same,
-                                 r.note))
-    return out
+                                 r.note, int(read[i]),
+                                 read[i] / bandwidth * tok_s if bandwidth else None))
+    return out, bandwidth
 
 
 def step_ms(dec: StaticDecoder, batch: int, prompt: list[int], steps: int, repeats: int
@@ -251,8 +269,8 @@ def run_runtime_bench(model_name: str = REAL_MODEL, configs: Sequence[str] | Non
         model_name == REAL_MODEL or str(model_name).endswith(".gguf"))
     if llama and not use_llama:
         say("llama.cpp skipped: needs the CPU, llama_cpp and a GGUF model")
-    results = batch_1(model_name, cfgs, prompt, new_tokens, repeats, dev, threads, use_llama,
-                      say, random_weights)
+    results, bandwidth = batch_1(model_name, cfgs, prompt, new_tokens, repeats, dev, threads,
+                                 use_llama, say, random_weights)
     sweep = batch_sweep(model_name, cfgs, batch_sizes, prompt, 16, repeats, dev, say,
                         random_weights) if batch_sizes else []
     return {"benchmark": "runtime", "model": str(model_name), "prompt_len": prompt_len,
@@ -262,6 +280,7 @@ def run_runtime_bench(model_name: str = REAL_MODEL, configs: Sequence[str] | Non
             "method": "batch-1 decode tok/s = (new_tokens-1)/(generate - prefill), greedy, "
                       "EOS ignored, one warm-up (compiles) then the median of `repeats` "
                       "interleaved rounds; batch sweep: median ms of 16 decode steps",
+            "read_bandwidth_gb_s": bandwidth / 1e9 if bandwidth else None,
             "results": [asdict(r) for r in results], "batch_sweep": sweep}
 
 
@@ -273,11 +292,16 @@ def runtime_table(report: dict) -> str:
     table = format_table(
         [("config", "<22"), ("dtype", "<9"), ("decode tok/s", ">13.1f"), ("ms/token", ">9.1f"),
          ("x first", ">8.2f"), ("x llama.cpp", ">12"), ("compile s", ">10.1f"),
-         ("same tokens", ">12")],
+         ("same tokens", ">12"), ("MB/token", ">9.1f"), ("roofline", ">9")],
         [(r["config"], r["dtype"], r["decode_tok_s"], r["step_ms"], r["decode_tok_s"] / base,
           f"{r['decode_tok_s'] / llama:.2f}" if llama else "-", r["compile_s"],
-          f"{r['same_tokens']}/{report['new_tokens']}") for r in rows])
+          f"{r['same_tokens']}/{report['new_tokens']}", r.get("bytes_per_token", 0) / 1e6,
+          f"{r['roofline_fraction']:.0%}" if r.get("roofline_fraction") else "-")
+         for r in rows])
     lines = [table]
+    if report.get("read_bandwidth_gb_s"):
+        lines.append(f"roofline: bytes a decode step reads (weights as stored + KV) at the "
+                     f"measured {report['read_bandwidth_gb_s']:.1f} GB/s, over the step time")
     for r in report.get("batch_sweep", []):
         lines.append(f"batch {r['batch']:>3} {r['config']:<24} {r['step_ms']:8.2f} ms/step "
                      f"{r['tok_s']:8.1f} tok/s (padded to {r['padded_to']})")

@@ -164,5 +164,8 @@ def test_bench_runtime_on_a_preset():
     assert {(r["config"], r["batch"]) for r in report["batch_sweep"]} == \
         {(c, b) for c in ("fp32", "int8") for b in (1, 2)}
     assert "decode tok/s" in runtime_table(report)
+    fp32, int8 = report["results"]
+    assert 0 < int8["bytes_per_token"] < fp32["bytes_per_token"]    # int8 weights read less
+    assert 0 < fp32["roofline_fraction"] and report["read_bandwidth_gb_s"] > 0
     with pytest.raises(ValueError, match="graphs"):
         run_runtime_bench("tiny", ["fp32+graphs"], device="cpu", log=None)
