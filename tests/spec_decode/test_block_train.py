@@ -114,3 +114,16 @@ def test_layer_minus_one_is_the_final_normed_state(target, raw, tmp_path):
         h = target.hidden_states(raw["tokens"][s].long()[None])[0]
     torch.testing.assert_close(feats[s, target.cfg.d_model:], h.to(torch.bfloat16),
                                atol=2e-2, rtol=2e-2)
+
+
+def test_run_block_on_token_ids_with_live_features(target, raw, small, tmp_path, monkeypatch):
+    """The corpus path: no feature file is written, each batch's layer states and the
+    target's argmax are computed as it is drawn."""
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(T, "checkpoint_path", lambda m: tmp_path / f"{m}.ckpt")
+    monkeypatch.setattr(BT, "checkpoint_path", lambda m: tmp_path / f"{m}.ckpt")
+    pt = BT.run_block(target, raw, steps=2, out=tmp_path / "dflash.pt", dspark_steps=2,
+                      progress=False, draft_vocab=64, batch=4, width=24, served=target)
+    _, _, man = weights.load_drafter("dflash", target, pt)
+    assert man["steps"] == 2 and man["heldout"]["dflash"]["tau"] >= 1
+    assert not list(tmp_path.rglob("block-*.pt"))

@@ -117,3 +117,42 @@ def test_ahead_past_the_end():
     x = torch.arange(6).view(2, 3)
     assert torch.equal(T.ahead(x, 1, -1), torch.tensor([[1, 2, -1], [4, 5, -1]]))
     assert (T.ahead(x, 5, -1) == -1).all()
+
+
+def test_live_features_are_the_stored_ones(target, data):
+    """Computed per batch from whole-sequence windows, the features equal those the
+    distillation data stores (bfloat16 there), and the target's argmax comes along; a window
+    that does not start at a sequence's first token is refused."""
+    tokens_only = {k: v for k, v in data.items() if k != "features"}
+    gen = torch.Generator().manual_seed(0)
+    live = T.LiveFeatures(target, next_tokens=True)
+    batch = live(T.sample_whole(tokens_only, torch.arange(12), gen, 4, 64))
+    stored = T.make_batch(data, [(s, 0) for s in _rows_of(batch, data)], 64)
+    real = torch.arange(batch.tokens.shape[1])[None] < batch.lengths[:, None]
+    torch.testing.assert_close(batch.features[real].to(torch.bfloat16), stored.features[real],
+                               atol=2e-2, rtol=2e-2)
+    with torch.no_grad():
+        assert torch.equal(batch.target_next, target(batch.tokens).argmax(-1))
+    with pytest.raises(ValueError, match="first token"):
+        live(T.make_batch(tokens_only, [(0, 3)], 16))
+
+
+def _rows_of(batch, data) -> list[int]:
+    """The sequence ids of a whole-sequence batch, found by their tokens."""
+    offsets = data["offsets"]
+    out = []
+    for row, n in zip(batch.tokens, batch.lengths.tolist()):
+        out.append(next(s for s in range(len(offsets) - 1)
+                        if torch.equal(data["tokens"][offsets[s]:offsets[s] + n].long(),
+                                       row[:n])))
+    return out
+
+
+def test_run_on_token_ids_with_live_features(target, data, tmp_path, monkeypatch):
+    monkeypatch.setattr(T, "DRAFT_VOCAB", 64)
+    monkeypatch.setattr(T, "checkpoint_path", lambda m: tmp_path / f"{m}.ckpt")
+    tokens_only = {k: v for k, v in data.items() if k != "features"}
+    pt = T.run("mtp", target, tokens_only, steps=3, out=tmp_path / "mtp.pt",
+               live=T.LiveFeatures(target))
+    _, _, man = weights.load_drafter("mtp", target, pt)
+    assert man["steps"] == 3 and len(man["heldout_accuracy"]) == T.EVAL_DEPTH

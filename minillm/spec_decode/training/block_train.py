@@ -42,6 +42,7 @@ from .train import (
     CLIP,
     WINDOW,
     Batch,
+    LiveFeatures,
     State,
     Trained,
     checkpoint_path,
@@ -241,20 +242,24 @@ def dspark_loss(drafter, head, target, batch: Batch, lookup, gen) -> torch.Tenso
 
 @torch.no_grad()
 def evaluate_block(drafter, head: DraftHead, target, data: dict, seqs: torch.Tensor, lookup,
-                   batch: int = BATCH, width: int = WINDOW, seed: int = 0) -> dict:
+                   batch: int = BATCH, width: int = WINDOW, seed: int = 0,
+                   live: LiveFeatures | None = None) -> dict:
     """Held-out greedy acceptance at random reply anchors: per drafted position j, P(the
     block's token j is the target's | all before it were), for DFlash's independent argmax
     (``dflash_acceptance``) and DSpark's Markov chain decoded as at serving time (the drafted
     token, not the true one, feeds the next position: ``dspark_acceptance``); the expected
     tokens per round of each (``*_tau``: 1 + sum_j prod_i<=j acc_i); and the confidence head's
-    calibration (mean predicted vs observed acceptance per position, ECE over 10 bins)."""
+    calibration (mean predicted vs observed acceptance per position, ECE over 10 bins).
+    ``live``: features computed per batch, windows from each sequence's first token."""
     gen = torch.Generator().manual_seed(seed)
     s, vd = drafter.cfg.block_size, drafter.cfg.draft_vocab
     lengths = data["offsets"].diff()
     stats = {"dflash": [], "dspark": [], "conf": [], "hit": []}
     for i in range(0, len(seqs), batch):
-        spans = [(q, max(0, int(lengths[q]) - width)) for q in seqs[i:i + batch].tolist()]
-        b = make_batch(data, spans, width).to(target.device, target.dtype)
+        spans = [(q, 0 if live else max(0, int(lengths[q]) - width))
+                 for q in seqs[i:i + batch].tolist()]
+        b = make_batch(data, spans, width)
+        b = (live(b) if live else b).to(target.device, target.dtype)
         anchors, keep = sample_anchors(b, ANCHORS, s, gen)
         out = run_blocks(drafter, target.embed, b, anchors, keep)
         greedy, valid = block_labels(b, anchors, keep, s, lookup, key="target_next")
@@ -337,8 +342,9 @@ def calibration(conf: torch.Tensor, hit: torch.Tensor, bins: int = 10) -> dict:
 # ------------------------------------------------------------------------------------ training
 
 def train_dspark_heads(trained: Trained, target, data: dict, steps: int, ckpt: Path,
-                       progress: bool = True) -> None:
-    """Stage 2: freeze the backbone, train the Markov and confidence heads."""
+                       progress: bool = True, sample=sample_batch) -> None:
+    """Stage 2: freeze the backbone, train the Markov and confidence heads (``sample``: how
+    a batch is drawn, as :func:`.train.train` takes it)."""
     drafter = trained.drafter.train()
     heads = [drafter.prev_codes.weight, drafter.next_codes, drafter.mix.weight,
              *drafter.confidence_proj.parameters()]
@@ -354,7 +360,7 @@ def train_dspark_heads(trained: Trained, target, data: dict, steps: int, ckpt: P
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, DSPARK_LR, warmup=10)
-        b = sample_batch(data, seqs, st.gen).to(target.device, target.dtype)
+        b = sample(data, seqs, st.gen, BATCH, WINDOW).to(target.device, target.dtype)
         loss = dspark_loss(drafter, trained.head, target, b, trained.lookup, st.gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -370,22 +376,30 @@ def train_dspark_heads(trained: Trained, target, data: dict, steps: int, ckpt: P
 
 def run_block(target, data: dict, steps: int | None = None, fresh: bool = False,
               out: Path | None = None, dspark_steps: int = DSPARK_STEPS,
-              progress: bool = True, **train_kw) -> Path:
+              progress: bool = True, served=None, **train_kw) -> Path:
     """Both stages, the held-out measurements, the weights file (``dflash``: the backbone and
-    DSpark's heads, shared by dflash, ddtree and dspark) and its manifest."""
+    DSpark's heads, shared by dflash, ddtree and dspark) and its manifest. ``served``: the
+    target in its serving dtype computing each batch's features as it is drawn (data of token
+    ids only, the corpus); else they are computed once for the whole set and cached."""
     import copy
 
     from .. import weights
     from .train import CONFIGS, DEFAULT_STEPS, run_facts, train
-    fast = copy.deepcopy(target).to(torch.bfloat16)
-    bdata = with_block_features(data, fast, CONFIGS["dflash"]["target_layers"])
-    del fast
+    layers = CONFIGS["dflash"]["target_layers"]
+    live = LiveFeatures(served, layers, next_tokens=True) if served is not None else None
+    if live is None:
+        fast = copy.deepcopy(target).to(torch.bfloat16)
+        bdata = with_block_features(data, fast, layers)
+        del fast
+    else:
+        bdata = data
+    sample = live.sampler() if live else sample_batch
     trained = train("dflash", target, bdata, steps or DEFAULT_STEPS["dflash"], fresh=fresh,
-                    loss_fn=dflash_loss, progress=progress, **train_kw)
+                    loss_fn=dflash_loss, progress=progress, sample=sample, **train_kw)
     train_dspark_heads(trained, target, bdata, dspark_steps, checkpoint_path("dspark"),
-                       progress=progress)
+                       progress=progress, sample=sample)
     scores = evaluate_block(trained.drafter, trained.head, target, bdata, split(bdata)[1],
-                            trained.lookup)
+                            trained.lookup, live=live)
     st = trained.state
     manifest = run_facts("minillm/spec_decode/training/block_train.py",
                          "minillm.spec_decode.prompts.training_prompts", data, st)

@@ -130,6 +130,20 @@ def corpus_data_dir() -> Path:
     return cache_dir() / "spec-corpus"
 
 
+def load_corpus(data_dir: Path | None = None) -> dict:
+    """The corpus shards joined (token ids only): tokens [N], offsets [S + 1], prompt_lens
+    [S], kinds; ``heldout``: the last shard's sequences, held out."""
+    data_dir = Path(data_dir or corpus_data_dir())
+    paths = sorted(data_dir.glob("shard-*.pt"))
+    if not paths:
+        raise FileNotFoundError(f"no corpus shards in {data_dir}: run `python -m "
+                                f"minillm.spec_decode.training.distill`")
+    data = join_shards(paths)
+    data["heldout"] = len(torch.load(paths[-1], mmap=True)["prompt_lens"]) \
+        if len(paths) > 1 else 0
+    return data
+
+
 def self_questions(llm, asks: list[str]) -> list[str]:
     """The target's own questions: its greedy first line for each request to write one (the
     request itself where it wrote nothing)."""

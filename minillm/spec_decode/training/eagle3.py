@@ -40,8 +40,8 @@ from .train import (
     ce,
     evaluate,
     labels_at,
-    make_batch,
     run_facts,
+    sample_whole,
     split,
     train,
 )
@@ -147,27 +147,6 @@ def serving_copy(target: Transformer) -> Transformer:
     return copy.deepcopy(target).to(dtype).eval().requires_grad_(False)
 
 
-def sample_whole(data: dict, seqs: torch.Tensor, gen: torch.Generator, batch: int = BATCH,
-                 width: int = WIDTH) -> Batch:
-    """``batch`` random sequences from their first token (at most ``width`` of them)."""
-    picks = seqs[torch.randint(len(seqs), (batch,), generator=gen)].tolist()
-    return make_batch(data, [(s, 0) for s in picks], width)
-
-
-def load_corpus(data_dir: Path | None = None) -> dict:
-    """The corpus shards joined (token ids only): tokens [N], offsets [S + 1], prompt_lens
-    [S], kinds; the last shard's sequences are held out."""
-    data_dir = Path(data_dir or distill.corpus_data_dir())
-    paths = sorted(data_dir.glob("shard-*.pt"))
-    if not paths:
-        raise FileNotFoundError(f"no corpus shards in {data_dir}: run `python -m "
-                                f"minillm.spec_decode.training.distill`")
-    data = distill.join_shards(paths)
-    data["heldout"] = len(torch.load(paths[-1], mmap=True)["prompt_lens"]) \
-        if len(paths) > 1 else 0
-    return data
-
-
 def train_eagle3(target: Transformer, data: dict, steps: int,
                  features_from: Transformer | None = None, **options) -> Trained:
     """:func:`.train.train` with EAGLE-3's loss and whole-sequence batches."""
@@ -210,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     from ...checkpoint.loader import load_model
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target, _ = load_model("smollm2-135m", device=device, dtype=torch.float32)
-    run(target, load_corpus(args.data), args.steps, args.fresh)
+    run(target, distill.load_corpus(args.data), args.steps, args.fresh)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,13 @@ AdamW, cosine decay after a linear warm-up, gradient clipping. A checkpoint (dra
 step, rng) goes to ``<cache>/spec-train/<method>.ckpt`` every ``CKPT_EVERY`` steps and a rerun
 continues from it. The last shard's sequences are held out for the accuracies in the manifest.
 
-    python -m minillm.spec_decode.training.train [eagle|mtp|medusa|draft_model|all] \
-        [--steps N] [--fresh]
+    python -m minillm.spec_decode.training.train [eagle|mtp|medusa|draft_model|dflash|all] \
+        [--steps N] [--fresh] [--corpus] [--device cuda]
     python -m minillm.spec_decode.training.train --data-only
+
+``--corpus`` trains on the corpus of :func:`.distill.make_corpus_dataset` (token ids only):
+batches are windows from each sequence's first token and their features are computed by the
+target in its serving dtype as they are drawn (:class:`LiveFeatures`).
 
 Shapes: B windows, T positions, D the target's width, V its vocabulary, Vd the draft one.
 """
@@ -152,6 +156,46 @@ def make_batch(data: dict, spans: list[tuple[int, int]], width: int) -> Batch:
     starts = torch.tensor([a for _, a in spans])
     return Batch(tokens, features, starts[:, None] + torch.arange(t), torch.tensor(lens),
                  data["prompt_lens"][[s for s, _ in spans]].long(), nxt)
+
+
+def sample_whole(data: dict, seqs: torch.Tensor, gen: torch.Generator, batch: int = BATCH,
+                 width: int = WINDOW) -> Batch:
+    """``batch`` random sequences from their first token (at most ``width`` of them): windows
+    whose target states can be recomputed exactly (:class:`LiveFeatures`)."""
+    picks = seqs[torch.randint(len(seqs), (batch,), generator=gen)].tolist()
+    return make_batch(data, [(s, 0) for s in picks], width)
+
+
+@dataclass(frozen=True)
+class LiveFeatures:
+    """Target features computed for each batch, for data that keeps token ids only (the
+    corpus, :func:`distill.load_corpus`: its 4M tokens' states would take 4.6 GB, 18 GB for
+    four layers). ``model``: the target in the dtype it serves in (what a drafter reads at
+    serving time); ``layers``: whose states go into ``batch.features``, joined (-1: the final
+    normed state); ``next_tokens``: also ``batch.target_next``, the target's argmax after each
+    position. Batches must be windows from each sequence's first token (:func:`sample_whole`;
+    padding after a sequence changes nothing, attention being causal)."""
+
+    model: Transformer
+    layers: tuple[int, ...] = (-1,)
+    next_tokens: bool = False
+
+    @torch.no_grad()
+    def __call__(self, batch: Batch) -> Batch:
+        if int(batch.positions[:, 0].max()) != 0:
+            raise ValueError("live features need windows from each sequence's first token")
+        tokens = batch.tokens.to(self.model.device)
+        h, kept = self.model.forward_layers(tokens, keep=[i for i in self.layers if i >= 0])
+        kept[-1] = h
+        features = torch.cat([kept[i] for i in self.layers], -1)
+        nxt = self.model.lm_head(h).argmax(-1) if self.next_tokens else batch.target_next
+        return Batch(batch.tokens, features, batch.positions, batch.lengths, batch.prompt_lens,
+                     nxt)
+
+    def sampler(self):
+        """A ``sample`` for :func:`train`: :func:`sample_whole` with these features."""
+        return lambda data, seqs, gen, batch, width: self(sample_whole(data, seqs, gen, batch,
+                                                                       width))
 
 
 def window_start(length: int, prompt_len: int, width: int, gen: torch.Generator) -> int:
@@ -440,11 +484,16 @@ def manifest(method: str, data: dict, trained: Trained, scores: dict) -> dict:
 
 
 def run(method: str, target: Transformer, data: dict, steps: int | None = None,
-        fresh: bool = False, out: Path | None = None) -> Path:
-    """Train ``method``, measure it on the held-out sequences, write weights + manifest."""
-    trained = train(method, target, data, steps or DEFAULT_STEPS[method], fresh=fresh)
+        fresh: bool = False, out: Path | None = None,
+        live: LiveFeatures | None = None) -> Path:
+    """Train ``method``, measure it on the held-out sequences, write weights + manifest.
+    ``live``: features computed per batch (data of token ids only: the corpus)."""
+    trained = train(method, target, data, steps or DEFAULT_STEPS[method], fresh=fresh,
+                    sample=live.sampler() if live else None)
+    states_fn = (lambda d, t, b: eval_states(method, d, t, live(b).to(t.device, t.dtype))) \
+        if live else None
     scores = evaluate(method, trained.drafter, trained.head, target, data, split(data)[1],
-                      trained.lookup)
+                      trained.lookup, states_fn=states_fn, whole=live is not None)
     path = weights.save_drafter(trained.drafter, target, trained.cfg, trained.state.draft_ids,
                                 manifest(method, data, trained, scores), path=out)
     print(f"{method}: held-out accuracy {scores['heldout_accuracy']} -> {path} "
@@ -460,21 +509,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=None, help="steps per drafter")
     p.add_argument("--fresh", action="store_true", help="ignore a saved checkpoint")
     p.add_argument("--data-only", action="store_true", help="only make the distillation data")
+    p.add_argument("--corpus", action="store_true",
+                   help="train on the corpus (python -m minillm.spec_decode.training.distill; "
+                        "token ids, features computed per batch) instead of the templated set")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     args = p.parse_args(argv)
-    if args.data_only or args.method == "all":
+    if not args.corpus and (args.data_only or args.method == "all"):
         distill.make_dataset()
         if args.data_only:
             return
     from ...checkpoint.loader import load_model
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    from .eagle3 import serving_copy
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target, _ = load_model("smollm2-135m", device=device, dtype=torch.float32)
-    data = load_data()
+    data = distill.load_corpus() if args.corpus else load_data()
+    served = serving_copy(target) if args.corpus else None
     for method in [*LOSSES, "dflash"] if args.method == "all" else [args.method]:
         if method == "dflash":
             from .block_train import run_block
-            run_block(target, data, args.steps, args.fresh)
+            run_block(target, data, args.steps, args.fresh, served=served)
         else:
-            run(method, target, data, args.steps, args.fresh)
+            run(method, target, data, args.steps, args.fresh,
+                live=LiveFeatures(served) if served is not None else None)
 
 
 if __name__ == "__main__":
