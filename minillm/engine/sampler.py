@@ -53,7 +53,9 @@ class SamplingBatch:
     is temperature[i] == 0 (None: read from ``temperature`` once, here), use_filters False
     promises that no sampled row uses top-k or top-p (True is always safe); top_k_only > 0
     promises that every sampled row uses top-k with k <= top_k_only and no top-p (so a top-k
-    selection replaces the full sort; 0 is always safe). allowed: [R, V] bool on the logits'
+    selection replaces the full sort; 0 is always safe); top_k_bound > 0 promises that every
+    sampled row uses top-k with k <= top_k_bound, top-p or not (the sort is of that many
+    values; 0 is always safe). allowed: [R, V] bool on the logits'
     device, or None (no row constrained): True where row i may pick the token (structured
     outputs, :mod:`.constraints`); an unconstrained row is all True.
     """
@@ -67,6 +69,7 @@ class SamplingBatch:
     greedy: list[bool] | None = None
     use_filters: bool = True
     top_k_only: int = 0
+    top_k_bound: int = 0
     allowed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -130,7 +133,9 @@ class SamplingBatch:
                                                 for p in params),
             use_filters=any(not g and (k > 0 or p < 1) for g, k, p in zip(greedy, top_k, top_p)),
             top_k_only=max((k for g, k in zip(greedy, top_k) if not g), default=0)
-            if all(g or (k > 0 and p >= 1) for g, k, p in zip(greedy, top_k, top_p)) else 0)
+            if all(g or (k > 0 and p >= 1) for g, k, p in zip(greedy, top_k, top_p)) else 0,
+            top_k_bound=max((k for g, k in zip(greedy, top_k) if not g), default=0)
+            if all(g or k > 0 for g, k in zip(greedy, top_k)) else 0)
 
 
 @dataclass
@@ -175,6 +180,10 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         k = torch.where(batch.top_k > 0, batch.top_k, batch.top_k_only)
         kth = x.topk(batch.top_k_only, dim=-1).values.gather(1, (k - 1)[:, None])
         return x.masked_fill(x < kth, float("-inf")).softmax(dim=-1)
+    if 0 < batch.top_k_bound < vocab - 1:
+        bounded = _top_k_then_top_p(x, batch)
+        if bounded is not None:
+            return bounded
     # One descending sort serves both filters: the k-th largest value is sorted[:, k - 1], and
     # the sorted top-k-filtered row is the sorted row with its values below that set to -inf.
     sorted_x, order = x.sort(dim=-1, descending=True)
@@ -186,6 +195,30 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     drop_sorted = (mass_before >= batch.top_p[:, None]) & (batch.top_p < 1)[:, None]
     drop = drop_sorted.scatter(1, order, drop_sorted)                   # back to vocab order
     return x.masked_fill((x < kth) | drop, float("-inf")).softmax(dim=-1)
+
+
+def _top_k_then_top_p(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+    """:func:`filtered_probs` when every sampled row has a top-k of at most
+    ``batch.top_k_bound`` = b: the top b + 1 values alone are sorted (not the vocabulary), the
+    filters run on the first b and scatter back. None when a row's k-th value ties with its
+    (b + 1)-th: the full sort keeps every tie of the k-th value, so that case goes there."""
+    b = batch.top_k_bound
+    vals, idx = x.topk(b + 1, dim=-1)                                   # descending
+    k = torch.where(batch.top_k > 0, batch.top_k, b)                    # greedy rows: any k
+    kth = vals.gather(1, (k - 1)[:, None])
+    if bool((vals[:, b:] == kth).any()):
+        return None
+    vals, idx = vals[:, :b], idx[:, :b]
+    vals = vals.masked_fill(vals < kth, float("-inf"))
+    probs = vals.softmax(dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs >= batch.top_p[:, None]) & (batch.top_p < 1)[:, None]
+    kept = torch.full_like(x, float("-inf")).scatter(1, idx, vals.masked_fill(drop,
+                                                                              float("-inf")))
+    probs = kept.softmax(dim=-1)
+    greedy = [i for i, g in enumerate(batch.greedy) if g]
+    if greedy:                                            # unfiltered, as filtered_probs says
+        probs[greedy] = x[greedy].softmax(dim=-1)
+    return probs
 
 
 def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

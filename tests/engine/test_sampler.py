@@ -5,6 +5,7 @@ a float64 softmax / log_softmax written out here, and the empirical distribution
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,7 +14,13 @@ from engine_checks import prompts_of, run_all
 
 from minillm import SamplingParams
 from minillm.engine import EngineConfig, LLMEngine
-from minillm.engine.sampler import SamplingBatch, filtered_probs, prompt_logprobs, sample_rows
+from minillm.engine.sampler import (
+    SamplingBatch,
+    _top_k_then_top_p,
+    filtered_probs,
+    prompt_logprobs,
+    sample_rows,
+)
 from minillm.sampling import sample
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -345,3 +352,23 @@ def test_seeded_request_is_the_same_alone_and_in_any_batch(sharp):
         params = mix[:k] + [seeded] + mix[k:]
         outs = run_all(LLMEngine(sharp, None, EngineConfig(num_kv_blocks=80)), prompts, params)
         assert outs[k].token_ids == alone
+
+
+def test_top_k_with_top_p_sorts_only_the_top_values_and_agrees_with_the_full_sort():
+    """Rows that all have a top-k (some with top-p; a greedy row among them): the bounded path
+    (the top b + 1 values sorted) gives the full sort's distribution; ties of the k-th value
+    past the bound fall back to the full sort, which keeps every tie."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1000, generator=g) * 3
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in
+              [(0.7, 4, 0.9), (1.0, 50, 1.0), (1.3, 17, 0.5), (0.0, 0, 1.0), (1.0, 1, 0.3)]]
+    batch = SamplingBatch.from_params(params, [None] * 5, "cpu")
+    assert batch.top_k_bound == 50 and _top_k_then_top_p(logits / 1.0, batch) is not None
+    full = filtered_probs(logits, dataclasses.replace(batch, top_k_bound=0))
+    torch.testing.assert_close(filtered_probs(logits, batch), full, rtol=0, atol=1e-7)
+    tied = torch.randn(1, 1000, generator=g)
+    tied[0, :60] = 9.0                                      # 60 maxima: a top-4 row keeps all
+    one = SamplingBatch.from_params([SamplingParams(temperature=1.0, top_k=4, top_p=0.99)],
+                                    [None], "cpu")
+    assert _top_k_then_top_p(tied, one) is None
+    assert (filtered_probs(tied, one) > 0).sum() == 60

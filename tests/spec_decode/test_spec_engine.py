@@ -223,15 +223,19 @@ class TopTwoTreeProposer:
 
     def __init__(self, model) -> None:
         self.model = model
+        self.seen: dict[tuple[int, ...], list[int]] = {}   # many requests share a context
 
     def propose(self, inputs, hidden):
-        out = []
-        for inp in inputs:
-            with torch.no_grad():
-                a, b = self.model(torch.tensor([inp.seq.token_ids]))[0, -1].topk(2).indices
-                c = self.model(torch.tensor([inp.seq.token_ids + [int(a)]]))[0, -1].argmax()
-            out.append(Draft([int(a), int(b), int(c)], [0, 0, 1]).pruned(inp.max_depth))
-        return out
+        return [Draft(self.candidates(inp.seq.token_ids), [0, 0, 1]).pruned(inp.max_depth)
+                for inp in inputs]
+
+    @torch.no_grad()
+    def candidates(self, ids: list[int]) -> list[int]:
+        if tuple(ids) not in self.seen:
+            a, b = self.model(torch.tensor([ids]))[0, -1].topk(2).indices
+            c = self.model(torch.tensor([ids + [int(a)]]))[0, -1].argmax()
+            self.seen[tuple(ids)] = [int(a), int(b), int(c)]
+        return self.seen[tuple(ids)]
 
     def fork(self, parent_id, child_id): ...
 
@@ -245,7 +249,9 @@ def sampled_joint(model, prompt, params, rounds, biased=False, monkeypatch=None,
     if biased:
         monkeypatch.setattr(spec_mod, "rejection_accept", wrong_accept)
         monkeypatch.setattr(spec_mod, "tree_accept", wrong_tree_accept)
-    engine = engine_for(model, None, max_num_batched_tokens=256)
+    # 64 requests a step (each is seeded: how they are batched does not change its draws)
+    engine = engine_for(model, None, max_num_batched_tokens=1024, max_num_seqs=64,
+                        num_kv_blocks=1024)
     if tree:
         engine.use_speculator(DraftAndVerify(SpeculativeConfig("eagle"), model.cfg.max_seq_len,
                                              TopTwoTreeProposer(model)))
