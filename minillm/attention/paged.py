@@ -433,10 +433,13 @@ def check_kv_format(backend: PagedAttentionBackend, kv_dtype: torch.dtype,
                          f"{readers} or kv_cache_dtype='auto'")
 
 
-def default_paged_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """triton on CUDA; on the CPU the C++ kernel where it builds and takes ``dtype``, else sdpa."""
+def default_paged_backend(device: torch.device, dtype: torch.dtype,
+                          kv_dtype: torch.dtype | None = None) -> str:
+    """triton on CUDA (sdpa for a KV cache stored narrower than ``dtype``, which the Triton
+    kernels do not read); on the CPU the C++ kernel where it builds and takes ``dtype``, else
+    sdpa."""
     if device.type == "cuda":
-        return "triton"
+        return "triton" if kv_dtype in (None, dtype) else "sdpa"
     from ..kernels import cpu_paged_attention as kernel
 
     return "cpu" if device.type == "cpu" and dtype in kernel.DTYPES and kernel.available() \

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..attention.kv_quant import Int8Blocks, dequantize_int8, kv_bytes_per_token, store
-from ..attention.paged import PagedAttentionFn, PagedMetadata
+from ..attention.paged import PagedAttentionFn, PagedMetadata, write_kv
 from ..config import ModelConfig
 from .base import Cache
 
@@ -162,8 +162,7 @@ class PagedBatch(Cache):
                attn_fn=None) -> torch.Tensor:
         q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))    # [N, H, D]
         k_cache, v_cache = self.pool.layer(layer)
-        store(k_cache, k, self.meta.slot_mapping)
-        store(v_cache, v, self.meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, self.meta.slot_mapping)
         out = self.attn(q.contiguous(), k, v, k_cache, v_cache, self.meta)
         return out.transpose(0, 1)[None]                         # [1, Hq, N, D]
 

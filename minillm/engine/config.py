@@ -196,9 +196,6 @@ def kv_storage_dtype(config: EngineConfig, model: Transformer) -> torch.dtype:
         raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} is wider than the model's "
                          f"{str(model.dtype).removeprefix('torch.')}: use 'auto' or a narrower "
                          f"one")
-    if kv == torch.float16 and model.dtype == torch.bfloat16:
-        raise ValueError("kv_cache_dtype 'float16' cannot hold a bfloat16 model's range: use "
-                         "'auto' or 'int8'")
     return kv
 
 

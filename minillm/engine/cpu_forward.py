@@ -37,8 +37,8 @@ from collections.abc import Callable, Collection
 import torch
 from torch import nn
 
-from ..attention.paged import KVCache, attend_groups_and_singles
-from ..cache.pool import PagedBatch, PagedKVPool
+from ..attention.paged import attend_groups_and_singles
+from ..cache.pool import PagedBatch
 from ..model.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
 from ..model.packed import PackedGroup, PackedLinear, can_pack_linears
 from ..model.transformer import Block, LayerCall, Transformer
@@ -188,8 +188,9 @@ class CpuForward:
                 before_layer(i)
             q, k, v = qkv(norm(delta, layer.attn_norm)).split(
                 [hq * hd, hkv * hd, hkv * hd], dim=1)                # views of one [N, .]
-            q_rot, k_cache, v_cache = self._rope_store(fused, q, k, v, cos, sin, pool, i,
-                                                       meta.slot_mapping)
+            k_cache, v_cache = pool.layer(i)          # the model's dtype, bfloat16 or int8
+            q_rot = fused.rope_store_into(q, k, v, cos, sin, k_cache, v_cache,
+                                          meta.slot_mapping, torch.empty(n, hq, hd, dtype=dt))
             out = torch.empty_like(q_rot)
             if meta.direct.numel():
                 attention.attend_in_place(q_rot, k_cache, v_cache, meta.block_tables,
@@ -206,14 +207,3 @@ class CpuForward:
                 delta, kept[i] = None, x.clone()
         return norm(delta, model.norm), kept
 
-    @staticmethod
-    def _rope_store(fused, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    cos: torch.Tensor, sin: torch.Tensor, pool: PagedKVPool, layer: int,
-                    slots: torch.Tensor) -> tuple[torch.Tensor, KVCache, KVCache]:
-        """(rope(q) [N, Hq, hd], the layer's k_cache, v_cache) after storing rope(k), v at
-        ``slots`` in the pool's format (the model's dtype, bfloat16, or int8 and scales)."""
-        k_cache, v_cache = pool.layer(layer)
-        q_out = torch.empty(q.shape[0], q.shape[1] // pool.k.shape[4], pool.k.shape[4],
-                            dtype=q.dtype)
-        return fused.rope_store_into(q, k, v, cos, sin, k_cache, v_cache, slots, q_out), \
-            k_cache, v_cache

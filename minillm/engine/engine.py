@@ -50,7 +50,8 @@ class LLMEngine(KVHandoff):
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()
         num_blocks, num_cpu = pool_sizes(model, config)
-        backend = default_paged_backend(model.device, model.dtype) \
+        kv_dtype = kv_storage_dtype(config, model)
+        backend = default_paged_backend(model.device, model.dtype, kv_dtype) \
             if config.attention_backend is None else config.attention_backend
         cache = make_prefix_cache(config.prefix_cache, config.block_size) \
             if config.enable_prefix_caching else None
@@ -72,7 +73,7 @@ class LLMEngine(KVHandoff):
                                   config.pack_linears, config.max_num_batched_tokens,
                                   config.max_num_seqs, config.static_buffers, self.blocks.tables,
                                   self.connector, cuda_graphs=config.cuda_graphs,
-                                  kv_dtype=kv_storage_dtype(config, model))
+                                  kv_dtype=kv_dtype)
         self.runner.fuse_ops = config.fuse_ops
         if config.sampler is not None:
             self.runner.sampler.sampler = config.sampler

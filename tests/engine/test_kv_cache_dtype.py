@@ -166,6 +166,7 @@ def test_swapped_requests_resume_with_their_int8_blocks(real, chats):
 
 @pytest.mark.parametrize("options,match", [
     ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype must be one of"),
+    ({"kv_cache_dtype": "float16"}, "kv_cache_dtype must be one of"),
     ({"kv_cache_dtype": "int8", "attention_backend": "triton"}, "kv_cache_dtype 'int8'"),
 ])
 def test_bad_options_name_kv_cache_dtype(tiny, options, match):
@@ -181,3 +182,12 @@ def test_a_wider_cache_than_the_model_is_refused(tiny):
     finally:
         tiny[0].to(torch.float32)
     assert resolve_kv_dtype("auto", torch.bfloat16) == torch.bfloat16
+
+
+def test_the_default_backend_reads_the_format():
+    """On CUDA the default (triton) does not read a narrower cache: sdpa is picked instead."""
+    from minillm.attention.paged import default_paged_backend
+    cuda = torch.device("cuda")
+    assert default_paged_backend(cuda, torch.bfloat16) == "triton"
+    assert default_paged_backend(cuda, torch.bfloat16, torch.int8) == "sdpa"
+    assert default_paged_backend(cuda, torch.bfloat16, torch.bfloat16) == "triton"
