@@ -5,8 +5,8 @@ contexts and large batches the KV bytes, not the weights, set the step's time an
 sequences fit in memory. Storing them narrower than the model computes trades a little accuracy
 for both:
 
-- ``bfloat16`` / ``float16`` beside a float32 model: half the bytes, each element rounded to 8
-  (11) significant bits;
+- ``bfloat16`` beside a float32 model: half the bytes, each element rounded to 8
+  significant bits;
 - ``int8``: a quarter of float32's bytes plus one float32 scale per token and KV head. Each
   head's vector x [D] is stored as round(x / s) with s = max|x| / 127 (symmetric, "absmax"),
   and read back as q * s. Keys and values are quantized the same way (KIVI, Liu et al. 2024,
