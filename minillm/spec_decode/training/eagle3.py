@@ -49,8 +49,8 @@ from .train import (
 STEPS = 4                 # training-time test depth
 DECAY = 0.8               # weight of step j: DECAY^(j-1)
 WIDTH = 384               # longest sequence prefix a batch row holds
-BATCH = 8
-DEFAULT_STEPS = 400
+BATCH = 16
+DEFAULT_STEPS = 1200
 
 
 @torch.no_grad()
