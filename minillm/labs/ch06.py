@@ -12,7 +12,8 @@ The ``check_*_in_engine`` builds put the student's function into the engine's sp
 :class:`~minillm.spec_decode.DraftAndVerify`: a proposer plus verification rules) through a small
 adapter: :class:`StepVerify` (the one-step sampling rule verifies sampled chains),
 :class:`FunctionLookup` (prompt lookup is the drafter), :class:`MaskedDraft` (the tree mask
-drives a tree verification pass).
+drives a tree verification pass). ``check_ttt_mask`` grades EAGLE-3's training-time test mask
+against :mod:`minillm.spec_decode.training.eagle3`.
 """
 from __future__ import annotations
 
@@ -187,6 +188,32 @@ def check_tree_mask(fn: Callable) -> Result:
                              f"{bool(got[tuple(bad[0])])}, expected {bool(want[tuple(bad[0])])}")
 
     return check("tree_mask", attempt)
+
+
+def check_ttt_mask(fn: Callable) -> Result:
+    """``fn(step, t)`` -> bool mask [t, step * t] of EAGLE-3's training-time test: which keys a
+    step-``step`` query row sees, the keys being the t rows of steps 1..step side by side.
+    Query t sees the step-1 keys s <= t - (step - 1) (the committed context) and, of each later
+    step i, the one key s = t - (step - i) (its own draft so far). Compared with
+    :func:`minillm.spec_decode.training.eagle3.ttt_mask`."""
+    from ..spec_decode.training.eagle3 import ttt_mask
+    cases = [(step, t) for step in range(1, 6) for t in (1, 2, 3, 5, 8)]
+
+    def attempt() -> None:
+        for step, t in cases:
+            got = torch.as_tensor(fn(step, t)).bool()
+            want = ttt_mask(step, t)
+            assert got.shape == want.shape, (f"step={step}, t={t}: mask shape "
+                                             f"{tuple(got.shape)}, expected {tuple(want.shape)}")
+            bad = (got != want).nonzero().tolist()
+            if bad:
+                q, col = bad[0]
+                i, s = divmod(col, t)
+                raise AssertionError(
+                    f"step={step}, t={t}: query row {q} and the step-{i + 1} key at position "
+                    f"{s} (column {col}): got {bool(got[q, col])}, expected {bool(want[q, col])}")
+
+    return check("ttt_mask", attempt)
 
 
 # --- builds: the student's rule, drafter and mask inside the engine --------------------------

@@ -134,6 +134,26 @@ def _short(text: str, width: int = 10) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
+def plot_ttt_mask(mask, step: int, title: str | None = None) -> plt.Figure:
+    """EAGLE-3's training-time test mask of one step, bool [T, step * T]: which keys (the rows
+    of steps 1..step side by side, columns) each query position (rows) attends to."""
+    mask = np.asarray(mask, dtype=bool)
+    t = mask.shape[0]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.42 * mask.shape[1], 1.0 + 0.42 * t))
+    ax.imshow(mask, cmap="Blues", vmin=0, vmax=1.4, aspect="equal")
+    for i in range(1, step):
+        ax.axvline(i * t - 0.5, color="black", lw=1.5)
+    ax.set_xticks(range(mask.shape[1]), [str(c % t) for c in range(mask.shape[1])], fontsize=7)
+    ax.set_yticks(range(t), [str(r) for r in range(t)], fontsize=7)
+    for i in range(step):
+        ax.text(i * t + (t - 1) / 2, -1.0, "step 1 (context)" if i == 0 else f"step {i + 1}",
+                ha="center", fontsize=8)
+    ax.set(xlabel="key position, per step", ylabel=f"step-{step} query position")
+    ax.set_title(title or f"training-time test: what a step-{step} row attends to", pad=18)
+    fig.tight_layout()
+    return fig
+
+
 def plot_acceptance(acceptance: dict[str, Sequence[float]],
                     title: str = "acceptance by draft position (batch 1)") -> plt.Figure:
     """Acceptance rate at each draft position (the fraction of drafts reaching that depth whose

@@ -11,6 +11,7 @@ from minillm.labs.solutions.ch06 import (
     prompt_lookup,
     rejection_step,
     tree_mask,
+    ttt_mask,
 )
 from minillm.spec_decode.speculator import build_speculator
 
@@ -66,6 +67,22 @@ def mask_causal(parents):
     return torch.ones(n, n, dtype=torch.bool).tril()
 
 
+def ttt_causal_over_steps(step, t):
+    """Every step's rows up to the query's position: later steps see the whole chain of the
+    other drafts too, as a plain causal mask over the stacked steps would allow."""
+    s = torch.arange(t)[None]
+    q = torch.arange(t)[:, None]
+    return torch.cat([s <= q - (step - 1)] + [s <= q - (step - i) for i in range(2, step + 1)], 1)
+
+
+def ttt_unshifted_context(step, t):
+    """The committed context not shifted back: a step-j row also sees step-1 rows the draft
+    has not reached yet."""
+    s = torch.arange(t)[None]
+    q = torch.arange(t)[:, None]
+    return torch.cat([s <= q] + [s == q - (step - i) for i in range(2, step + 1)], 1)
+
+
 CHECKS = [
     (ch06.check_greedy_accept, greedy_accept, greedy_count_matches),
     (ch06.check_rejection_step, rejection_step, rejection_resample_from_p),
@@ -76,10 +93,13 @@ CHECKS = [
     (ch06.check_tree_mask, tree_mask, mask_parent_only),
     (ch06.check_tree_mask_in_engine, tree_mask, mask_parent_only),
     (ch06.check_tree_mask_in_engine, tree_mask, mask_causal),
+    (ch06.check_ttt_mask, ttt_mask, ttt_causal_over_steps),
+    (ch06.check_ttt_mask, ttt_mask, ttt_unshifted_context),
 ]
 IDS = ["greedy_accept", "rejection_step", "engine_rejection_resamples_p", "prompt_lookup",
        "engine_lookup_matches_the_tail", "engine_lookup_oldest_first", "tree_mask",
-       "engine_mask_parent_only", "engine_mask_causal"]
+       "engine_mask_parent_only", "engine_mask_causal", "ttt_causal_over_steps",
+       "ttt_unshifted_context"]
 test_reference_passes, test_wrong_fails, test_stub_is_not_attempted = checker_tests(CHECKS, IDS)
 
 

@@ -49,3 +49,13 @@ def test_new_plots_return_figures():
             ch06.plot_sampled_positions({"chain": comp, "tree": comp}, str)]
     assert all(isinstance(f, plt.Figure) for f in figs)
     plt.close("all")
+
+
+def test_ttt_mask_plot_draws_one_block_per_step():
+    from minillm.spec_decode.training.eagle3 import ttt_mask
+
+    fig = ch06.plot_ttt_mask(ttt_mask(3, 6), 3)
+    ax = fig.axes[0]
+    assert len(ax.lines) == 2 and len(ax.texts) == 3            # 2 separators, 3 step labels
+    assert ax.images[0].get_array().shape == (6, 18)
+    plt.close(fig)

@@ -37,6 +37,15 @@ def tree_mask(parents):
     return mask
 
 
+def ttt_mask(step, t):
+    q = torch.arange(t)[:, None]
+    s = torch.arange(t)[None]
+    blocks = [s <= q - (step - 1)]                  # step 1: the committed context
+    for i in range(2, step + 1):                    # step i: the chain's own row, one per step
+        blocks.append(s == q - (step - i))
+    return torch.cat(blocks, 1)
+
+
 KEY = [
     (ch06.check_greedy_accept, greedy_accept),
     (ch06.check_rejection_step, rejection_step),
@@ -45,4 +54,5 @@ KEY = [
     (ch06.check_prompt_lookup_in_engine, prompt_lookup),
     (ch06.check_tree_mask, tree_mask),
     (ch06.check_tree_mask_in_engine, tree_mask),
+    (ch06.check_ttt_mask, ttt_mask),
 ]

@@ -401,11 +401,9 @@ def run_block(target, data: dict, steps: int | None = None, fresh: bool = False,
     scores = evaluate_block(trained.drafter, trained.head, target, bdata, split(bdata)[1],
                             trained.lookup, live=live)
     st = trained.state
-    manifest = run_facts("minillm/spec_decode/training/block_train.py",
-                         "minillm.spec_decode.prompts.training_prompts", data, st)
+    manifest = run_facts("minillm/spec_decode/training/block_train.py", data, st, target.device)
     manifest |= {"dspark_steps": dspark_steps,
-                 "heldout_accuracy": scores["dflash"]["acceptance"], "heldout": scores,
-                 "device": f"{target.device.type} ({torch.get_num_threads()} threads)"}
+                 "heldout_accuracy": scores["dflash"]["acceptance"], "heldout": scores}
     path = weights.save_drafter(trained.drafter, target, trained.cfg, st.draft_ids, manifest,
                                 path=out)
     print(f"dflash: held-out tau {scores['dflash']['tau']} (dspark "

@@ -24,6 +24,8 @@ from ..prompts import training_prompts
 
 SAMPLED_SHARE = 0.25        # replies drawn at temperature 0.8 instead of greedily
 POOL = 2400                 # prompts are the first num_prompts of training_prompts(POOL)
+TRAINING_PROMPTS = "minillm.spec_decode.prompts.training_prompts"       # each data's source,
+CORPUS_PROMPTS = "minillm.spec_decode.training.corpus.corpus_prompts"   # as manifests name it
 
 
 def cache_dir() -> Path:
@@ -99,14 +101,15 @@ def make_dataset(out_dir: Path | None = None, num_prompts: int = 1600, max_token
 
 
 def load_dataset(data_dir: Path | None = None) -> dict:
-    """All shards joined: tokens [N], offsets [S + 1], prompt_lens [S], features [N, D]."""
+    """All shards joined: tokens [N], offsets [S + 1], prompt_lens [S], features [N, D];
+    ``prompts``: their source."""
     data_dir = Path(data_dir or default_data_dir())
     paths = sorted(data_dir.glob("shard-*.pt"))
     if not paths:
         raise FileNotFoundError(f"no distillation shards in {data_dir}: run `python -m "
                                 f"minillm.spec_decode.training.train --data-only` (or make "
                                 f"drafters)")
-    return join_shards(paths)
+    return join_shards(paths) | {"prompts": TRAINING_PROMPTS}
 
 
 def join_shards(paths: list[Path]) -> dict:
@@ -132,7 +135,7 @@ def corpus_data_dir() -> Path:
 
 def load_corpus(data_dir: Path | None = None) -> dict:
     """The corpus shards joined (token ids only): tokens [N], offsets [S + 1], prompt_lens
-    [S], kinds; ``heldout``: the last shard's sequences, held out."""
+    [S], kinds; ``heldout``: the last shard's sequences, held out; ``prompts``: their source."""
     data_dir = Path(data_dir or corpus_data_dir())
     paths = sorted(data_dir.glob("shard-*.pt"))
     if not paths:
@@ -141,6 +144,7 @@ def load_corpus(data_dir: Path | None = None) -> dict:
     data = join_shards(paths)
     data["heldout"] = len(torch.load(paths[-1], mmap=True)["prompt_lens"]) \
         if len(paths) > 1 else 0
+    data["prompts"] = CORPUS_PROMPTS
     return data
 
 

@@ -167,8 +167,7 @@ def run(target: Transformer, data: dict, steps: int | None = None, fresh: bool =
                       trained.lookup, BATCH, WIDTH, whole=True,
                       states_fn=lambda d, t, b: eval_states(d, t, b, served))
     st = trained.state
-    manifest = run_facts("minillm/spec_decode/training/eagle3.py",
-                         "minillm.spec_decode.training.corpus.corpus_prompts", data, st)
+    manifest = run_facts("minillm/spec_decode/training/eagle3.py", data, st, target.device)
     manifest |= {"ttt_steps": STEPS, "heldout_accuracy": scores["heldout_accuracy"],
                  "features_dtype": str(served.dtype).removeprefix("torch.")}
     path = weights.save_drafter(trained.drafter, target, trained.cfg, st.draft_ids, manifest,

@@ -483,24 +483,25 @@ def train_loop(method, drafter, head, target, data, opt, st: State, steps: int, 
 
 # ---------------------------------------------------------------------------------- the runner
 
-def run_facts(script: str, prompts: str, data: dict, st: State) -> dict:
+def run_facts(script: str, data: dict, st: State, device: torch.device) -> dict:
     """The manifest fields every training script records: the script, the data (its
-    sequences, tokens and the prompts' source), steps, the last 100 steps' mean loss, the
-    commit and the seconds."""
+    sequences, tokens and the prompts' source: ``data["prompts"]``, set by the loaders), steps,
+    the last 100 steps' mean loss, the commit, the seconds and the device trained on."""
+    where = device_name(device) + (f", {torch.get_num_threads()} threads"
+                                   if device.type == "cpu" else "")
     return {"script": script,
             "data": {"sequences": len(data["prompt_lens"]), "tokens": len(data["tokens"]),
-                     "prompts": prompts},
+                     "prompts": data.get("prompts", distill.TRAINING_PROMPTS)},
             "steps": st.step,
             "final_loss": round(sum(st.losses[-100:]) / max(1, len(st.losses[-100:])), 4),
-            "commit": git_commit(short=True), "seconds": round(st.seconds, 1)}
+            "commit": git_commit(short=True), "seconds": round(st.seconds, 1), "device": where}
 
 
 def manifest(method: str, data: dict, trained: Trained, scores: dict) -> dict:
     """The manifest fields :func:`weights.save_drafter` is given."""
-    out = run_facts("minillm/spec_decode/training/train.py",
-                    "minillm.spec_decode.prompts.training_prompts", data, trained.state)
-    out |= {"heldout_accuracy": scores["heldout_accuracy"],
-            "device": device_name(trained.head.rows.device)}
+    out = run_facts("minillm/spec_decode/training/train.py", data, trained.state,
+                    trained.head.rows.device)
+    out |= {"heldout_accuracy": scores["heldout_accuracy"]}
     if method == "medusa":
         out["head_accuracy"] = scores["topk_accuracy"]
     return out
