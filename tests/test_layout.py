@@ -74,7 +74,7 @@ ALLOWED: dict[str, set[str]] = {
               "serving_metrics", "spec_decode", "viz", "workloads"},
     "labs": {"attention", "cache", "checkpoint", "config", "course", "device", "engine", "serve",
              "evaluate", "generate", "model", "parallel", "quant", "runtime", "sampling",
-             "serving_metrics", "spec_decode", "structured", "train"},
+             "serving_metrics", "spec_decode", "spec_decode.training", "structured", "train"},
     "labs.solutions": {"cache", "checkpoint", "course", "device", "labs"},
     "labs.grade": {"labs.solutions"},
     "labs.__main__": {"labs.grade"},

@@ -43,11 +43,11 @@ from ..spec_decode.prompts import KINDS, benchmark_prompts
 from ..spec_decode.speculator import SpecStats, build_speculator
 from .common import dtype_name, format_table, log_to_stderr, write_report
 
-METHODS = ("ngram", "draft_model", "medusa", "eagle", "mtp")      # part I (chapter 06)
+METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp")   # part I (chapter 06)
 ALL_METHODS = METHODS + ("suffix",) + BLOCK_METHODS   # + suffix decoding, part II's drafters
-DEFAULT_K = {"ngram": 6, "suffix": 8, "draft_model": 4, "medusa": 4, "eagle": 5, "mtp": 3,
-             "dflash": 7, "ddtree": 7, "dspark": 7}
-TREE_NODES = 16                  # the trees' node budget (medusa, eagle, ddtree) unless told
+DEFAULT_K = {"ngram": 6, "suffix": 8, "draft_model": 4, "medusa": 4, "eagle": 5, "eagle3": 5,
+             "mtp": 3, "dflash": 7, "ddtree": 7, "dspark": 7}
+TREE_NODES = 16                  # the trees' node budget (medusa, eagle(3), ddtree) unless told
 
 
 @dataclass

@@ -146,10 +146,10 @@ def plot_ttt_mask(mask, step: int, title: str | None = None) -> plt.Figure:
     ax.set_xticks(range(mask.shape[1]), [str(c % t) for c in range(mask.shape[1])], fontsize=7)
     ax.set_yticks(range(t), [str(r) for r in range(t)], fontsize=7)
     for i in range(step):
-        ax.text(i * t + (t - 1) / 2, -1.0, "step 1 (context)" if i == 0 else f"step {i + 1}",
-                ha="center", fontsize=8)
+        ax.text(i * t + (t - 1) / 2, -0.7, "step 1 (context)" if i == 0 else f"step {i + 1}",
+                ha="center", va="bottom", fontsize=8)
     ax.set(xlabel="key position, per step", ylabel=f"step-{step} query position")
-    ax.set_title(title or f"training-time test: what a step-{step} row attends to", pad=18)
+    fig.suptitle(title or f"training-time test: what a step-{step} row attends to")
     fig.tight_layout()
     return fig
 
