@@ -34,7 +34,7 @@ from minillm.device import resolve_device, sync
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.runinfo import machine_info
 from minillm.spec_decode.config import BLOCK_METHODS, MODEL_FREE
-from minillm.spec_decode.drafters import DrafterConfig, DraftHead, build_drafter
+from minillm.spec_decode.drafters import DrafterConfig, DraftHead, build_drafter, eagle3_layers
 from minillm.spec_decode.speculator import build_speculator
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -51,14 +51,17 @@ def block_layers(n_layers: int) -> tuple[int, ...]:
 
 def random_drafter(method: str, model):
     """(module, head, manifest) at the target's shape, seeded random weights; one block
-    drafter (2 layers, block 8, DSpark's heads of rank 32) serves dflash, ddtree and dspark."""
+    drafter (2 layers, block 8, DSpark's heads of rank 32) serves dflash, ddtree and dspark;
+    EAGLE-3's reads its low, middle and high layers."""
     c = model.cfg
     block = method in BLOCK_METHODS
     cfg = DrafterConfig("dflash" if block else method, d_model=c.d_model, n_heads=c.n_heads,
                         n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, ffn_dim=c.ffn_dim,
                         num_heads=4, layers=2 if block else 1,
                         **(dict(target_layers=block_layers(c.n_layers), block_size=8,
-                                markov_rank=32, draft_vocab=DRAFT_VOCAB) if block else {}))
+                                markov_rank=32, draft_vocab=DRAFT_VOCAB) if block else {}),
+                        **(dict(target_layers=eagle3_layers(c.n_layers))
+                           if method == "eagle3" else {}))
     torch.manual_seed(0)
     module = build_drafter(cfg, model).to(model.device, model.dtype).eval()
     head = DraftHead(model.lm_head.weight, torch.arange(DRAFT_VOCAB, device=model.device))
