@@ -156,3 +156,20 @@ def test_run_on_token_ids_with_live_features(target, data, tmp_path, monkeypatch
                live=T.LiveFeatures(target))
     _, _, man = weights.load_drafter("mtp", target, pt)
     assert man["steps"] == 3 and len(man["heldout_accuracy"]) == T.EVAL_DEPTH
+
+
+def test_whole_sequence_batches_hold_rows_of_about_one_length():
+    """Sequences of lengths 10..1009: a batch's rows come from NEIGHBOURS neighbours in length
+    (far narrower than the spread of random rows), start at each sequence's first token, and
+    every length range is drawn."""
+    lengths = torch.arange(10, 1010)
+    data = {"tokens": torch.zeros(int(lengths.sum()), dtype=torch.int32),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+            "prompt_lens": torch.full((1000,), 4)}
+    gen, spans, seen = torch.Generator().manual_seed(0), [], set()
+    for _ in range(200):
+        batch = T.sample_whole(data, torch.arange(1000), gen, 8, 2000)
+        assert int(batch.positions[:, 0].max()) == 0
+        spans.append(int(batch.lengths.max() - batch.lengths.min()))
+        seen.add(int(batch.lengths[0]) // 100)
+    assert max(spans) < T.NEIGHBOURS and set(range(10)) <= seen
