@@ -7,7 +7,10 @@ sequence through the metadata below (Orca's *selective batching*). A sequence br
 of a few drafted tokens, a prompt chunk, a whole prompt. The cache layout is the kernels'
 (``minillm.kernels.paged_attention``): k_cache, v_cache [num_blocks, block_size, Hkv, D] per
 layer. A sequence may bring a *tree mask* [q_len, q_len] over its new tokens (True: node i sees
-node j); it always sees its whole cached prefix. Without one, the new tokens are causal.
+node j); it always sees its whole cached prefix. Without one, the new tokens are causal. A
+mask may also be wider, [q_len, w], over the last w keys: cached tokens too (a drafter growing
+a tree level by level keeps the earlier levels in its cache and shows each new node only its
+ancestors among them); the keys before those it sees.
 
 Backends take q [N, Hq, D], the new tokens' k, v [N, Hkv, D] (already written into the cache),
 the layer's caches and the :class:`PagedMetadata`, and return [N, Hq, D]:
@@ -164,8 +167,9 @@ def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: l
                    q_per_kv: int = 1, buffers: StepBuffers | None = None,
                    direct: bool = False, groups: bool = True) -> PagedMetadata:
     """Metadata for S sequences from their block tables and token counts (Python lists), in
-    the order given (see :func:`batch_order`). ``masks[i]``: bool [q_lens[i], q_lens[i]] or
-    None (causal); ``q_per_kv``: query heads per KV head (GQA); ``buffers``: write the tensors
+    the order given (see :func:`batch_order`). ``masks[i]``: bool [q_lens[i], w] or None
+    (causal), over the sequence's last w keys (q_lens[i] <= w <= its length; w = q_lens[i]:
+    its new tokens); ``q_per_kv``: query heads per KV head (GQA); ``buffers``: write the tensors
     into these (:class:`StepBuffers`) instead of fresh ones; ``direct``: list every sequence
     without a tree mask in ``meta.direct`` (for a kernel that reads the blocks in place)
     instead of padding it into a group or attending it on its own. ``groups`` False: stop
@@ -175,10 +179,10 @@ def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: l
     masks = list(masks) if masks is not None else [None] * len(q_lens)
     if not groups and any(m is not None for m in masks):
         raise ValueError("masks need groups=True: a tree mask is attended in a padded group")
-    for i, (m, n) in enumerate(zip(masks, q_lens)):
-        if m is not None and tuple(m.shape) != (n, n):
-            raise ValueError(f"masks[{i}] must be [q_len, q_len] = [{n}, {n}], "
-                             f"got {tuple(m.shape)}")
+    for i, (m, n, c) in enumerate(zip(masks, q_lens, ctx_lens)):
+        if m is not None and not (m.dim() == 2 and m.shape[0] == n and n <= m.shape[1] <= c + n):
+            raise ValueError(f"masks[{i}] must be [q_len, w] = [{n}, w] with {n} <= w <= "
+                             f"{c + n}, got {tuple(m.shape)}")
     slots = []
     for table, start, n in zip(block_tables, ctx_lens, q_lens):
         slots += [table[p // block_size] * block_size + p % block_size
@@ -237,7 +241,7 @@ def _group(seqs: list[int], meta: PagedMetadata, block_tables: list[list[int]],
         new = torch.tril(torch.ones(n, n, dtype=torch.bool)) if masks[i] is None \
             else masks[i].to("cpu", torch.bool)
         seen = (keys < ctx)[None].repeat(q, 1)                  # the cached prefix
-        seen[:n, ctx:ctx + n] = new
+        seen[:n, ctx + n - new.shape[1]:ctx + n] = new          # the last keys, as masked
         seen[n:, 0] = True                                      # padding: any one key
         rows_mask.append(seen)
     mask = torch.stack(rows_mask)[:, None].repeat(1, 1, q_per_kv, 1)    # [B, 1, G*Q, L]

@@ -39,9 +39,10 @@ from torch import nn
 
 from ..attention.paged import attend_groups_and_singles
 from ..cache.pool import PagedBatch
+from ..config import ModelConfig
 from ..model.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
-from ..model.packed import PackedGroup, PackedLinear, can_pack_linears
-from ..model.transformer import Block, LayerCall, Transformer
+from ..model.packed import PackedGroup, PackedLinear, can_pack_linears, packed_matmul
+from ..model.transformer import Block, LayerCall
 
 
 def _kernels():
@@ -63,36 +64,39 @@ LINEARS = (("attn", ("wq", "wk", "wv")), ("attn", ("wo",)), ("ffn", ("w_gate", "
            ("ffn", ("w_down",)))     # a layer's four matmuls: packed groups, single linears
 
 
-def supports(model: Transformer) -> bool:
-    """Whether :class:`CpuForward` computes what ``model.forward_layers`` would with the
-    ``cpu`` paged backend (a walk over the model, about 2 ms here: :class:`CpuForward`
-    repeats it only when the model changed)."""
+def supports(model: nn.Module, cfg: ModelConfig | None = None) -> bool:
+    """Whether :class:`CpuForward` computes what ``model``'s layers would with the ``cpu``
+    paged backend. ``model``: a :class:`Transformer`, or any module with ``layers`` (blocks of
+    shape ``cfg``, default ``model.cfg``) and a final ``norm``, such as a drafter's (a walk over
+    the model, about 2 ms here: :class:`CpuForward` repeats it only when the model changed)."""
     fused, attention = _kernels()
-    if model.device.type != "cpu" or model.dtype not in \
+    cfg = cfg or model.cfg
+    weight = model.norm.weight
+    if weight.device.type != "cpu" or weight.dtype not in \
             fused.DTYPES or not (fused.available() and attention.available()):
         return False
-    return type(model.norm) is RMSNorm and all(_plain_layer(b, model) for b in model.layers)
+    return type(model.norm) is RMSNorm and all(_plain_layer(b, cfg, weight.dtype)
+                                               for b in model.layers)
 
 
-def _plain_layer(b: nn.Module, model: Transformer) -> bool:
+def _plain_layer(b: nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> bool:
     """A Llama layer as :mod:`minillm.model` builds it, whose matmuls are each bias-free linears
-    of the model's dtype (plain or packed, oneDNN packs that dtype here, weights with version
+    of the model's ``dtype`` (plain or packed, oneDNN packs that dtype here, weights with version
     counters: not inference tensors) or quantized linears with a fused group
     (:func:`_fused_group`)."""
-    cfg = model.cfg
     if not (type(b) is Block and type(b.attn) is Attention and type(b.ffn) is SwiGLU
             and type(b.attn_norm) is RMSNorm and type(b.ffn_norm) is RMSNorm
             and not hasattr(b.attn, "q_norm") and b.attn.n_heads == cfg.n_heads
             and b.attn.n_kv_heads == cfg.n_kv_heads):
         return False
-    return all(_plain_linears(lins, model) or _fused_group(lins) is not None
+    return all(_plain_linears(lins, dtype) or _fused_group(lins) is not None
                for lins in (_linears(getattr(b, part), names) for part, names in LINEARS))
 
 
-def _plain_linears(linears: list[nn.Module], model: Transformer) -> bool:
-    return can_pack_linears(model.device, model.dtype) and all(
+def _plain_linears(linears: list[nn.Module], dtype: torch.dtype) -> bool:
+    return can_pack_linears(torch.device("cpu"), dtype) and all(
         type(lin) in (nn.Linear, PackedLinear) and lin.bias is None
-        and lin.weight.dtype == model.dtype and not lin.weight.is_inference()
+        and lin.weight.dtype == dtype and not lin.weight.is_inference()
         for lin in linears)
 
 
@@ -119,12 +123,7 @@ def _matmul_of(module: nn.Module, names: tuple[str, ...]) -> Callable[[torch.Ten
     if group is not None:
         return group(linears)
     packed = _packed(module, names)
-    return lambda x: _matmul(x, packed)
-
-
-def _matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [N, K] @ W^T for a weight packed by ``torch.ops.mkldnn._reorder_linear_weight``."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return lambda x: packed_matmul(x, packed)
 
 
 class CpuForward:
@@ -133,10 +132,12 @@ class CpuForward:
     saw (~0.1 ms), and only when they changed walks the model again (:func:`supports`) and
     looks its packed weights up (oneDNN's layout, per layer [Wq Wk Wv], Wo, [Wg Wu], Wd). Calling
     the packed linears instead would cost their own checks, 20-35 us a call here: a tenth of
-    a batch-1 step."""
+    a batch-1 step. ``model`` and ``cfg`` as :func:`supports` takes them: a
+    :class:`Transformer` (:meth:`__call__` from token ids), or a drafter's stack of blocks
+    (:meth:`layers` from its own input rows)."""
 
-    def __init__(self, model: Transformer) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, cfg: ModelConfig | None = None) -> None:
+        self.model, self.cfg = model, cfg or model.cfg
         self._seen: tuple | None = None
         self.supported = False
         self.matmuls: list[tuple[Callable[[torch.Tensor], torch.Tensor], ...]] = []
@@ -152,13 +153,23 @@ class CpuForward:
         """Whether :meth:`__call__` computes this model's forward now."""
         if self._unchanged():
             return self.supported
-        self.supported = supports(self.model)
+        self.supported = supports(self.model, self.cfg)
         self.matmuls = [tuple(_matmul_of(getattr(b, part), names) for part, names in LINEARS)
                         for b in self.model.layers] if self.supported else []
         modules = list(self.model.modules())
         self._seen = ([(m._modules, k, c) for m in modules for k, c in m._modules.items()],
                       [(p, p._version) for p in self.model.parameters() if not p.is_inference()])
         return self.supported
+
+    def runs(self, batch: PagedBatch) -> bool:
+        """Whether :meth:`__call__` (or :meth:`layers`) computes a forward over ``batch`` now:
+        its backend declares ``cpu_fast_path`` (computes exactly the C++ kernel's attention),
+        its metadata was built with ``direct=True`` (the causal sequences go to the paged
+        kernel) and has every tree-masked sequence after cached context (SDPA with its mask
+        then reads only the cache), and :meth:`applies`."""
+        meta = batch.meta
+        return batch.attn.cpu_fast_path and meta.direct is not None \
+            and all(meta.ctx_lens[i] for i in meta.singles) and self.applies()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
                  keep: Collection[int] = (), before_layer: LayerCall | None = None,
@@ -168,15 +179,22 @@ class CpuForward:
         [N, D], {layer: residual stream after it [N, D]} for the layers in ``keep``); stores
         each layer's K/V at ``batch.meta.slot_mapping`` of ``batch.pool``, calling
         ``before_layer(i)`` / ``after_layer(i)`` around layer i as ``forward_layers`` does.
-        Call after :meth:`applies`, with metadata built with ``direct=True``: the sequences
+        Call where it :meth:`runs` the batch: the sequences
         of ``meta.direct`` go to the paged kernel, the tree-masked ones (which have cached
         context) to SDPA in padded groups."""
+        return self.layers(self.model.embed(input_ids), positions, batch, keep, before_layer,
+                           after_layer)
+
+    def layers(self, x: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
+               keep: Collection[int] = (), before_layer: LayerCall | None = None,
+               after_layer: LayerCall | None = None
+               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`__call__` from the first layer's input rows ``x`` [N, D] (written to in
+        place: the residual stream) instead of token ids."""
         fused, attention = _kernels()
-        model, meta, pool = self.model, batch.meta, batch.pool
-        cfg, dt = model.cfg, model.dtype
-        n, hq, hkv, hd = input_ids.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        model, meta, pool, cfg, dt = self.model, batch.meta, batch.pool, self.cfg, x.dtype
+        n, hq, hkv, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta, dt)          # [N, hd]
-        x = model.embed(input_ids)                                          # [N, D]
 
         def norm(delta: torch.Tensor | None, rms: RMSNorm) -> torch.Tensor:
             """x += delta (in place, when given), then rms(x): a new [N, D] tensor."""

@@ -135,18 +135,15 @@ class ModelRunner:
     def speculator(self, speculator: Speculator | None) -> None:
         self.sampler.speculator = speculator
 
-    def fused_path(self, meta, layers: Collection[int]) -> bool:
+    def fused_path(self, batch: PagedBatch, layers: Collection[int]) -> bool:
         """Whether this step runs :class:`~.cpu_forward.CpuForward` (the C++ small ops): when
-        ``fuse_ops`` allows, it supports the model (:func:`~.cpu_forward.supports`), every
-        sequence goes to the paged kernel or is a tree draft after cached context (SDPA with
-        its mask reads only the cache), and ``self.attn`` declares
-        ``cpu_fast_path`` (the C++ kernel's own backend does; one that records its inputs, as
-        chapter 04's does, says False and is called eagerly)."""
-        return self.fuse_ops and self.attn.cpu_fast_path \
-            and meta.direct is not None \
-            and all(meta.ctx_lens[i] for i in meta.singles) \
-            and all(0 <= i < self.model.cfg.n_layers for i in layers) \
-            and self.cpu_forward.applies()
+        ``fuse_ops`` allows, the hidden states asked for are of its layers, and it
+        :meth:`~.cpu_forward.CpuForward.runs` the batch (it supports the model, every sequence
+        goes to the paged kernel or is a tree draft after cached context, and ``self.attn``
+        declares ``cpu_fast_path``: the C++ kernel's own backend does; one that records its
+        inputs, as chapter 04's does, says False and is called eagerly)."""
+        return self.fuse_ops and all(0 <= i < self.model.cfg.n_layers for i in layers) \
+            and self.cpu_forward.runs(batch)
 
     def graph_step(self, tables: list[list[int]], q_lens: list[int],
                    masks: Mapping[int, torch.Tensor], positions: Mapping[int, list[int]],
@@ -294,7 +291,7 @@ class ModelRunner:
         batch = PagedBatch(self.pool, meta, self.attn)
         c = self.connector
         around = (c.wait_for_layer, c.save_layer) if c is not None else (None, None)
-        if self.fused_path(meta, layers):
+        if self.fused_path(batch, layers):
             h, hidden = self.cpu_forward(inputs["input_ids"], inputs["positions"], batch,
                                          layers, *around)
             h, hidden = h[None], {i: x[None] for i, x in hidden.items()}

@@ -7,6 +7,19 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] weight reordered into oneDNN's blocked layout (an opaque tensor) for
+    :func:`packed_matmul`; where :func:`can_pack_linears` holds."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) -> [..., N] for W packed by :func:`pack_weight`; x in W's
+    dtype, outside autograd."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose inference forward runs oneDNN on a copy of the weight reordered
     once into oneDNN's blocked layout (CPU; see :func:`can_pack_linears`). The weight Parameter
@@ -26,15 +39,14 @@ class PackedLinear(nn.Linear):
     def packed_weight(self) -> torch.Tensor:
         key = (self.weight.data_ptr(), self.weight._version)
         if self._packed is None or self._packed[0] != key:
-            self._packed = key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            self._packed = key, pack_weight(self.weight)
         return self._packed[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
                 or not can_pack_linears(self.weight.device, self.weight.dtype):
             return F.linear(x, self.weight, self.bias)  # training, or moved off where it packs
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none",
-                                                  [], "")
+        return packed_matmul(x, self.packed_weight(), self.bias)
 
     def __getstate__(self) -> dict:
         # the packed tensor is opaque (no storage): copies and pickles repack on first use
@@ -61,7 +73,7 @@ class PackedGroup:
         key = tuple((lin.weight.data_ptr(), lin.weight._version) for lin in linears)
         if self._packed is None or self._packed[0] != key:
             weight = torch.cat([lin.weight.detach() for lin in linears])
-            self._packed = key, torch.ops.mkldnn._reorder_linear_weight(weight)
+            self._packed = key, pack_weight(weight)
         return self._packed[1]
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -75,8 +87,7 @@ class PackedGroup:
                     lin.weight.requires_grad for lin in linears))) \
                 or not can_pack_linears(w.device, w.dtype) or x.dtype != w.dtype:
             return tuple(lin(x) for lin in linears)
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(linears), None, "none",
-                                               [], "")
+        y = packed_matmul(x, self.packed_weight(linears))
         return y.split([lin.out_features for lin in linears], dim=-1)
 
     def __getstate__(self) -> dict:

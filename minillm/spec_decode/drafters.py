@@ -40,6 +40,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..model.layers import RMSNorm, rope_cos_sin
+from ..model.packed import can_pack_linears, pack_weight, packed_matmul
 from ..model.transformer import Block, Transformer, _heads_axis
 
 METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "dflash")
@@ -101,10 +102,21 @@ class DraftHead(nn.Module):
         self.vocab_size = target_head.shape[0]
         self.register_buffer("ids", ids.long(), persistent=False)
         self.register_buffer("rows", target_head.detach()[ids.long()], persistent=False)
+        self._packed: tuple[int, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., D] -> logits over the draft vocabulary [..., Vd]."""
-        return x @ self.rows.to(x.dtype).T
+        """x [..., D] -> logits over the draft vocabulary [..., Vd] (oneDNN's matmul on the rows
+        packed once where it applies outside autograd: 3x faster at a draft step's few rows)."""
+        rows = self.rows
+        if x.dtype != rows.dtype or (torch.is_grad_enabled() and x.requires_grad) \
+                or not can_pack_linears(rows.device, rows.dtype):
+            return x @ rows.to(x.dtype).T
+        if self._packed is None or self._packed[0] != rows.data_ptr():
+            self._packed = rows.data_ptr(), pack_weight(rows)
+        return packed_matmul(x, self._packed[1])
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_packed": None}   # opaque: a copy packs again
 
     def full(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., Vd] draft logits -> [..., V] full-vocabulary logits (-inf off the draft vocab)."""
@@ -133,9 +145,13 @@ class FeatureDrafter(nn.Module):
         if cfg.target_layers:
             self.fuse = nn.Linear(len(cfg.target_layers) * d, d, bias=False)
 
+    def inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The first block's input rows [..., D] from tokens' embeddings and features [..., D]."""
+        return self.proj(torch.cat([self.token_norm(tokens), self.feature_norm(features)], -1))
+
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 cache=None) -> torch.Tensor:
-        x = self.proj(torch.cat([self.token_norm(tokens), self.feature_norm(features)], -1))
+        x = self.inputs(tokens, features)
         cos, sin = rope_cos_sin(positions, self.block_cfg.head_dim, self.block_cfg.rope_theta,
                                 x.dtype)
         cos, sin = _heads_axis(cos), _heads_axis(sin)

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.paged import batch_order, build_metadata, get_paged_backend
+from ..attention.paged import batch_order, build_metadata, default_paged_backend, get_paged_backend
 from ..cache.block_manager import BlockManager
 from ..cache.pool import PagedBatch, PagedKVPool
 from ..config import ModelConfig
+from ..engine.cpu_forward import CpuForward
 from ..engine.sampler import SamplingBatch, filtered_probs
 from ..engine.sequence import Draft
+from ..model.packed import can_pack_linears, pack_linears
 from .drafters import DraftHead
 from .inputs import SpecInput
 from .ngram import prompt_lookup
@@ -53,14 +55,16 @@ class NgramProposer:
 
 class PagedDrafter:
     """A drafter's own paged KV cache: a block manager and a pool, like the target's, keyed by
-    the same sequence ids. ``run`` computes new positions of several sequences in one pass."""
+    the same sequence ids. ``run`` computes new positions of several sequences in one pass.
+    ``backend``: its paged attention (default: the engine's default for the device and dtype,
+    the C++ kernel on a CPU where it builds)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, backend: str = "sdpa") -> None:
+                 device: torch.device, dtype: torch.dtype, backend: str | None = None) -> None:
         self.cfg, self.device = cfg, device
         self.blocks = BlockManager(num_blocks, block_size, watermark=0.0)
         self.pool = PagedKVPool(cfg, num_blocks, block_size, device, dtype)
-        self.attn = get_paged_backend(backend)
+        self.attn = get_paged_backend(backend or default_paged_backend(device, dtype))
 
     def run(self, forward, work: list[tuple[int, int]], inputs: list[torch.Tensor],
             masks: list[torch.Tensor | None] | None = None,
@@ -79,7 +83,8 @@ class PagedDrafter:
         meta = build_metadata([self.blocks.tables[work[i][0]] for i in order],
                               [work[i][1] for i in order], [counts[i] for i in order],
                               self.blocks.block_size, self.device, [masks[i] for i in order],
-                              q_per_kv=self.cfg.n_heads // self.cfg.n_kv_heads)
+                              q_per_kv=self.cfg.n_heads // self.cfg.n_kv_heads,
+                              direct=self.attn.reads_direct)
         x = torch.cat([inputs[i] for i in order])[None]
         flat = torch.tensor([p for ps in pos for p in ps], device=self.device)
         out = forward(x, PagedBatch(self.pool, meta, self.attn), flat)[0]
@@ -105,6 +110,15 @@ class PagedDrafter:
 
     def release(self, seq_id: int) -> None:
         self.blocks.free(seq_id)
+
+
+def packed(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with its linears packed for oneDNN (in place, as the runner packs the target)
+    where that applies to its device and dtype; the same parameters and state dict."""
+    weight = next(module.parameters())
+    if can_pack_linears(weight.device, weight.dtype):
+        pack_linears(module)
+    return module
 
 
 def pick(logits: torch.Tensor, head: DraftHead, inputs: list[SpecInput]
@@ -140,8 +154,11 @@ class DraftModelProposer:
     def __init__(self, lm, head: DraftHead, k: int, num_blocks: int, block_size: int) -> None:
         self.lm, self.head, self.k, self.max_nodes = lm, head, k, k
         self.cache = PagedDrafter(lm.cfg, num_blocks, block_size, lm.device, lm.dtype)
+        self.fused = CpuForward(packed(lm))
 
     def _forward(self, ids, cache, positions):
+        if self.fused.runs(cache):
+            return self.fused(ids[0], positions, cache)[0][None]
         return self.lm.forward_layers(ids, cache, positions)[0]
 
     @torch.inference_mode()
@@ -198,10 +215,17 @@ class FeatureProposer:
         self.max_nodes = budget if tree else k
         dev, dtype = embed.weight.device, embed.weight.dtype
         self.cache = PagedDrafter(drafter.block_cfg, num_blocks, block_size, dev, dtype)
+        self.fused = CpuForward(packed(drafter), drafter.block_cfg)
         self.last_tree: dict[int, dict] = {}      # seq id -> the last tree grown (for plots)
 
     def _forward(self, x, cache, positions):
+        """x [1, R, 2D] (token embeddings, features) -> [1, R, D]: the drafter's block, through
+        the engine's CPU fast path where it runs (:class:`~minillm.engine.cpu_forward.CpuForward`:
+        the same block's small ops fused, about half the time of the eager modules here)."""
         d = x.shape[-1] // 2
+        if self.fused.runs(cache):
+            h = self.drafter.inputs(x[0, :, :d], x[0, :, d:])
+            return self.fused.layers(h, positions, cache)[0][None]
         return self.drafter(x[..., :d], x[..., d:], positions, cache)
 
     def _rows(self, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
@@ -259,10 +283,11 @@ class FeatureProposer:
         return chain_drafts(tokens, qs, inputs)
 
     def _tree(self, inputs: list[SpecInput], feats: torch.Tensor) -> list[Draft | None]:
+        """EAGLE-2's tree, one drafter pass per level over the new frontier nodes only: the
+        nodes of earlier levels stay in the drafter's cache, and each new node sees its
+        ancestors among them (a mask over the cached nodes too)."""
         trees = [_Tree() for _ in inputs]
-        logp = self.head(feats).float().log_softmax(-1)
-        for t, lp in zip(trees, logp):
-            t.expand(0, lp, self.head, self.topk)
+        self._expand([(t, 0) for t in trees], feats)
         for level in range(1, self.k):
             grow = [i for i, inp in enumerate(inputs) if level < inp.max_depth]
             if not grow:
@@ -271,21 +296,17 @@ class FeatureProposer:
             work, x, masks, pos = [], [], [], []
             for i, front in zip(grow, fronts):
                 inp, t = inputs[i], trees[i]
-                nodes = t.materialise(front)
                 root = inp.seq.num_tokens - 2        # drafter position t reads h_t, x_{t+1}
-                work.append((inp.seq.seq_id, root + 1))
-                x.append(self._rows([t.tokens[n - 1] for n in nodes],
-                                    torch.stack([t.parent_feature(n, feats[i]) for n in nodes])))
-                m, p = t.subdraft(nodes).tree_inputs(root)
-                masks.append(torch.tensor(m)[1:, 1:])
-                pos.append(p[1:])
+                work.append((inp.seq.seq_id, root + 1 + len(t.done)))
+                x.append(self._rows([t.tokens[n - 1] for n in front],
+                                    torch.stack([t.parent_feature(n, feats[i]) for n in front])))
+                masks.append(t.ancestry(front))
+                pos.append([root + t.depth[n - 1] for n in front])
             outs = self.cache.run(self._forward, work, x, masks, pos)
             for i, front, out in zip(grow, fronts, outs):
-                t = trees[i]
-                t.store(out)
-                lp = self.head(out[-len(front):]).float().log_softmax(-1)
-                for n, row in zip(front, lp):
-                    t.expand(n, row, self.head, self.topk)
+                trees[i].features.update(zip(front, out))
+            self._expand([(trees[i], n) for i, front in zip(grow, fronts) for n in front],
+                         torch.cat(outs))
         drafts = []
         for inp, t in zip(inputs, trees):
             d = t.draft(self.budget)
@@ -293,6 +314,14 @@ class FeatureProposer:
                                               "scores": t.scores, "kept": d[1]}
             drafts.append(d[0])
         return drafts
+
+    def _expand(self, nodes: list[tuple[_Tree, int]], out: torch.Tensor) -> None:
+        """Give each (tree, node) its ``topk`` children from the drafter's output rows
+        ``out`` [len(nodes), D] (node 0: the root), all through the head at once."""
+        top = self.head(out).float().log_softmax(-1).topk(self.topk)
+        tokens = self.head.ids[top.indices].tolist()
+        for (t, n), lps, toks in zip(nodes, top.values.tolist(), tokens):
+            t.expand(n, lps, toks)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         self.cache.fork(parent_id, child_id)
@@ -304,22 +333,23 @@ class FeatureProposer:
 
 class _Tree:
     """One sequence's EAGLE-2 tree while it grows: nodes 1.. with token, parent, depth, joint
-    log-confidence; ``features[n]``: the drafter's output at node n once computed."""
+    log-confidence; ``done``: the nodes computed in the drafter, in the order of its cache
+    slots after the root; ``features[n]``: the drafter's output at node n."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.depth: list[int] = []
         self.scores: list[float] = []
-        self.done: list[int] = []                  # nodes whose features are computed
+        self.done: list[int] = []
         self.features: dict[int, torch.Tensor] = {}
 
-    def expand(self, node: int, logp: torch.Tensor, head: DraftHead, topk: int) -> None:
+    def expand(self, node: int, logps: list[float], tokens: list[int]) -> None:
+        """Add ``tokens`` as children of ``node`` (0: the root), of log-probabilities ``logps``."""
         base = self.scores[node - 1] if node else 0.0
         depth = self.depth[node - 1] + 1 if node else 1
-        top = logp.topk(topk)
-        for lp, j in zip(top.values.tolist(), top.indices.tolist()):
-            self.tokens.append(int(head.ids[j]))
+        for lp, tok in zip(logps, tokens):
+            self.tokens.append(tok)
             self.parents.append(node)
             self.depth.append(depth)
             self.scores.append(base + lp)
@@ -329,24 +359,24 @@ class _Tree:
         nodes = [n for n in range(1, len(self.tokens) + 1) if self.depth[n - 1] == level]
         return sorted(nodes, key=lambda n: -self.scores[n - 1])[:topk]
 
-    def materialise(self, front: list[int]) -> list[int]:
-        """The nodes whose rows run now: every node computed before, then the new frontier."""
+    def ancestry(self, front: list[int]) -> torch.Tensor:
+        """The mask of the ``front`` nodes' pass [F, C + F] over the C nodes computed before
+        (their cache slots) and themselves: a node sees its ancestors and itself. The front
+        is computed from now on."""
+        slot = {n: j for j, n in enumerate(self.done)}
+        mask = torch.zeros(len(front), len(self.done) + len(front), dtype=torch.bool)
+        for r, n in enumerate(front):
+            mask[r, len(self.done) + r] = True
+            p = self.parents[n - 1]
+            while p:
+                mask[r, slot[p]] = True
+                p = self.parents[p - 1]
         self.done += front
-        return list(self.done)
+        return mask
 
     def parent_feature(self, node: int, root_feature: torch.Tensor) -> torch.Tensor:
         p = self.parents[node - 1]
         return self.features[p] if p else root_feature
-
-    def store(self, out: torch.Tensor) -> None:
-        for n, row in zip(self.done, out):
-            self.features[n] = row
-
-    def subdraft(self, nodes: list[int]) -> Draft:
-        """The computed nodes as a Draft (for its mask and positions)."""
-        index = {n: j + 1 for j, n in enumerate(nodes)}
-        return Draft([self.tokens[n - 1] for n in nodes],
-                     [index.get(self.parents[n - 1], 0) for n in nodes])
 
     def draft(self, budget: int) -> tuple[Draft, list[int]]:
         keep = top_nodes(self.scores, self.parents, budget)

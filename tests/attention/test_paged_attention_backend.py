@@ -33,6 +33,16 @@ def random_tree(n: int, g: torch.Generator) -> torch.Tensor:
     return mask
 
 
+def random_mask(n: int, tree: bool | int, g: torch.Generator) -> torch.Tensor | None:
+    """None (causal), a tree over the n new tokens (True), or a mask of width ``tree`` > n: a
+    tree over the new tokens after random visibility of the ``tree - n`` cached keys before
+    them (a drafter's tree level over its cached earlier levels)."""
+    if tree is True or tree is False:
+        return random_tree(n, g) if tree else None
+    cached = torch.rand(n, tree - n, generator=g) < 0.5
+    return torch.cat([cached, random_tree(n, g)], dim=1)
+
+
 def dense_reference(q, k_cache, v_cache, tables, ctx_lens, q_lens, masks, block_size):
     """Each sequence alone: its keys read from its blocks, the mask written out, float64."""
     outs, row = [], 0
@@ -41,7 +51,7 @@ def dense_reference(q, k_cache, v_cache, tables, ctx_lens, q_lens, masks, block_
         keys = k_cache.flatten(0, 1)[slots].transpose(0, 1)[None]        # [1, Hkv, L, D]
         vals = v_cache.flatten(0, 1)[slots].transpose(0, 1)[None]
         new = torch.tril(torch.ones(n, n, dtype=torch.bool)) if m is None else m
-        mask = torch.cat([torch.ones(n, ctx, dtype=torch.bool), new], dim=1)
+        mask = torch.cat([torch.ones(n, ctx + n - new.shape[1], dtype=torch.bool), new], dim=1)
         out, _ = attention_with_lse(q[row:row + n].transpose(0, 1)[None], keys, vals, mask)
         outs.append(out[0].transpose(0, 1))
         row += n
@@ -49,11 +59,12 @@ def dense_reference(q, k_cache, v_cache, tables, ctx_lens, q_lens, masks, block_
 
 
 def make_step(hq, hkv, d, block_size, shapes, seed, dtype=torch.float64, direct=False):
-    """shapes: (cached tokens, new tokens, tree mask?) per sequence -> the step's tensors."""
+    """shapes: (cached tokens, new tokens, tree mask: False, True or its width) per sequence
+    -> the step's tensors."""
     g = torch.Generator().manual_seed(seed)
     ctx_lens = [c for c, _, _ in shapes]
     q_lens = [n for _, n, _ in shapes]
-    masks = [random_tree(n, g) if tree else None for _, n, tree in shapes]
+    masks = [random_mask(n, tree, g) for _, n, tree in shapes]
     order = batch_order(ctx_lens, q_lens, [m is not None for m in masks])
     ctx_lens, q_lens, masks = ([x[i] for i in order] for x in (ctx_lens, q_lens, masks))
     num_blocks = 1024
@@ -80,7 +91,7 @@ def mixed_shapes(block_size: int, seed: int) -> list[tuple[int, int, bool]]:
     decodes = [(int(n), 1, False) for n in torch.randint(1, 60, (QUERY_GROUP + 3,), generator=g)]
     verify = [(int(c), int(n), False) for c, n in zip(torch.randint(1, 80, (5,), generator=g),
                                                       [2, 5, 17, 64, 3])]
-    trees = [(37, 7, True), (0, 6, True), (block_size, 12, True)]
+    trees = [(37, 7, True), (0, 6, True), (block_size, 12, True), (30, 5, 12), (9, 4, 13)]
     prompts = [(0, 23, False), (0, 1, False), (17, 9, False), (40, 100, False)]
     return decodes + verify + trees + prompts
 
@@ -123,8 +134,10 @@ def test_verifications_of_several_tokens_batch_together():
 
 
 def test_bad_mask_shape_names_the_parameter():
-    with pytest.raises(ValueError, match=r"masks\[0\] must be \[q_len, q_len\]"):
-        build_metadata([[0]], [0], [3], 16, torch.device("cpu"), [torch.ones(2, 2).bool()])
+    for ctx, shape in ((0, (2, 2)), (0, (3, 4)), (2, (3, 6)), (5, (3, 2))):
+        with pytest.raises(ValueError, match=r"masks\[0\] must be \[q_len, w\]"):
+            build_metadata([[0]], [ctx], [3], 16, torch.device("cpu"),
+                           [torch.ones(*shape).bool()])
 
 
 def test_triton_backend_matches_without_masks_and_falls_back_with_them():

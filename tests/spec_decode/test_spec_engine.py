@@ -323,3 +323,79 @@ def test_top_p_sampling_is_lossless_for_a_chain_and_a_tree(model, monkeypatch, t
                    exact)
     assert good < 0.085, good                # about 1.7x the noise of 800 samples
     assert bad > good + 0.06, (good, bad)
+
+
+def first_proposal(engine, prompt):
+    """Run ``prompt`` greedily and return what the proposer saw and made at its first call
+    (right after the prefill): the sequence's tokens, the drafter's input features of the
+    prompt's rows, the drafts, and the tree it grew (tree methods)."""
+    prop = engine.speculator.proposer
+    seen, real = {}, prop.propose
+
+    def spy(inputs, hidden):
+        drafts = real(inputs, hidden)
+        if not seen:
+            inp = inputs[0]
+            assert inp.start == 0
+            seen.update(tokens=list(inp.seq.token_ids), draft=drafts[0],
+                        feats=prop.features(hidden)[torch.tensor(inp.rows)].clone(),
+                        tree=dict(prop.last_tree.get(inp.seq.seq_id, {})))
+        return drafts
+
+    prop.propose = spy
+    run_all(engine, [prompt], GREEDY)
+    return seen
+
+
+def dense_feature(prop, tokens: list[int], feats: list[torch.Tensor]) -> torch.Tensor:
+    """The drafter's output at the last of ``tokens`` (x_{t+1} per row) and ``feats`` (h_t)
+    by a dense causal pass at positions 0.. (no paged cache, no tree mask)."""
+    with torch.no_grad():
+        x = prop.embed(torch.tensor(tokens))[None]
+        return prop.drafter(x, torch.stack(feats)[None], torch.arange(len(tokens)))[0, -1]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_tree_scores_are_a_dense_pass_over_each_path(model, method, fused):
+    """EAGLE-2's tree grows one drafter pass per level over the new nodes only, the earlier
+    levels kept in the drafter's paged cache behind a mask. Every node's joint
+    log-confidence must be what dense causal passes over the prompt's rows and the node's
+    path give, through the CPU fast path and the eager modules alike."""
+    engine = engine_for(model, method, k=4)
+    prop = engine.speculator.proposer
+    if not fused:
+        prop.fused.runs = lambda batch: False
+    seen = first_proposal(engine, prompts_of([11], seed=3)[0])
+    tree, toks = seen["tree"], seen["tokens"]
+    assert len(tree["tokens"]) > 2 * prop.topk            # it grew past the first level
+    prefix_tokens, prefix = toks[1:len(seen["feats"]) + 1], list(seen["feats"])
+    index = {int(t): j for j, t in enumerate(prop.head.ids)}
+    for node in range(1, len(tree["tokens"]) + 1):
+        path = [node]
+        while tree["parents"][path[-1] - 1]:
+            path.append(tree["parents"][path[-1] - 1])
+        path.reverse()
+        feats, tokens = list(prefix), list(prefix_tokens)
+        score = 0.0
+        for n in path:
+            f = dense_feature(prop, tokens, feats)
+            logp = prop.head(f).float().log_softmax(-1)
+            score += float(logp[index[tree["tokens"][n - 1]]])
+            tokens.append(tree["tokens"][n - 1])
+            feats.append(f)
+        assert abs(score - tree["scores"][node - 1]) < 1e-3, (node, path)
+
+
+def test_chain_is_the_dense_greedy_chain(model):
+    """MTP drafts a chain, one cached step per token: the tokens a dense causal pass picks."""
+    engine = engine_for(model, "mtp", k=4)
+    prop = engine.speculator.proposer
+    seen = first_proposal(engine, prompts_of([9], seed=4)[0])
+    feats, tokens = list(seen["feats"]), seen["tokens"][1:len(seen["feats"]) + 1]
+    want = []
+    for _ in range(4):
+        f = dense_feature(prop, tokens, feats)
+        want.append(int(prop.head.ids[prop.head(f).argmax()]))
+        tokens, feats = tokens + want[-1:], feats + [f]
+    assert seen["draft"].tokens == want
