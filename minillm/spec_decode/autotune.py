@@ -15,13 +15,20 @@ instead, on a few calibration prompts (one at a time, greedy):
 For each k <= K it predicts, per decode step,
 
     tokens(k) = 1 + sum_{i<=k} P(accepted path reaches depth i)
-    time(k)   = T1 + (T_verify(K) - T1) * nodes(k) / nodes(K) + drafter(k)
+    time(k)   = T(1 + nodes(k)) + drafter(k)
 
-where nodes(k) counts the draft nodes at depth <= k and drafter(k) scales with nodes(k) for a
-drafter that runs once per depth (draft model, EAGLE, MTP) and is fixed for one that drafts in
+where nodes(k) counts the draft nodes at depth <= k, T(r) is a step's time for r rows (read
+off the measured points, below), and drafter(k) is k / K of the drafter's measured time for
+one that runs once per depth (draft model, EAGLE, MTP) and all of it for one that drafts in
 one pass (Medusa, the block drafters, the model-free ones); and picks the k of the highest
-tokens(k) * T1 / time(k). When no k is predicted to beat plain decoding by ``MARGIN`` (the
-spread of the calibration's own timings), the speculator keeps that k but does not draft
+tokens(k) * T1 / time(k). A tree's size (EAGLE's and DDTree's node budget, ``tree_nodes``) is
+chosen the same way: their drafts list the nodes best first, so the best b nodes of depth
+<= k of a calibration draft are the tree of b nodes, and the accepted path such a tree would
+have kept is the leading part of the measured path within them. The calibration predicts
+tokens and rows for every (k, b) and picks the best pair: on a CPU, where verifying 17 rows
+can cost nearly twice a decode step, a small tree often beats the 16-node tree a GPU prefers.
+When no k is predicted to beat plain decoding by ``MARGIN`` (the spread of the calibration's
+own timings), the speculator keeps that k but does not draft
 (``DraftAndVerify.drafting`` is False): the engine decodes plainly.
 
 Under load the same prediction runs per batch size: the plain decode step is also measured
@@ -40,6 +47,7 @@ from ..config import SamplingParams
 from ..engine.engine import LLMEngine
 
 PER_DEPTH = ("draft_model", "eagle", "eagle3", "mtp")     # the drafter runs once per drafted depth
+BUDGETED = ("eagle", "eagle3", "ddtree")    # trees whose drafts list their nodes best first
 CALIBRATION_PROMPTS = 4
 CALIBRATION_TOKENS = 32
 BATCHES = (4, 16, 64)       # batch sizes whose plain step the calibration measures
@@ -73,7 +81,10 @@ class Calibration:
     """What one calibration measured, and the k it chose. ``reached[i]`` / ``nodes[i]``: per
     decode step, how often the accepted path reached depth i + 1 / the draft nodes at depth
     i + 1; seconds per decode step: ``plain_s`` (no drafting), ``step_s`` (drafting at
-    ``max_k``, drafter included), ``draft_s`` (the drafter alone)."""
+    ``max_k``, drafter included), ``draft_s`` (the drafter alone). ``trees`` (a tree whose
+    size is tuned): {k: {b: (tokens, draft nodes) per decode step had the drafts kept their
+    best b nodes of depth <= k}}; the full-size tree's follow from ``reached`` and
+    ``nodes``."""
 
     method: str
     max_k: int
@@ -84,10 +95,16 @@ class Calibration:
     nodes: list[float]
     per_depth: bool
     batch_s: dict[int, float] = field(default_factory=dict)
+    trees: dict[int, dict[int, tuple[float, float]]] = field(default_factory=dict)
 
-    def tokens(self, k: int) -> float:
-        """Predicted tokens per sequence and decode step at lookahead k."""
-        return 1.0 + sum(self.reached[:k])
+    def tokens(self, k: int, budget: int | None = None) -> float:
+        """Predicted tokens per sequence and decode step at lookahead k (a tree of ``budget``
+        nodes; None: the calibrated size)."""
+        return self.trees[k][budget][0] if budget else 1.0 + sum(self.reached[:k])
+
+    def draft_nodes(self, k: int, budget: int | None = None) -> float:
+        """Predicted draft nodes per sequence and decode step at lookahead k (and size)."""
+        return self.trees[k][budget][1] if budget else sum(self.nodes[:k])
 
     def rows_seconds(self, rows: float) -> float:
         """A step's seconds for ``rows`` new tokens, linear between the measured points: plain
@@ -102,41 +119,59 @@ class Calibration:
                 return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
         return self.plain_s * rows                     # one point only: proportional
 
-    def seconds(self, k: int, batch: int = 1) -> float:
+    def seconds(self, k: int, batch: int = 1, budget: int | None = None) -> float:
         """Predicted seconds of a decode step of ``batch`` sequences at lookahead k: the
         target over their rows, plus the drafter (which scales with the batch like the
-        target's plain step)."""
+        target's plain step; a drafter running once per depth costs k / max_k of its
+        calibrated time)."""
         if k == 0:
             return self.rows_seconds(batch)
-        share = sum(self.nodes[:k]) / sum(self.nodes) if sum(self.nodes) else 0.0
-        drafter = self.draft_s * (share if self.per_depth else 1.0)
-        rows = batch * (1.0 + sum(self.nodes[:k]))
+        drafter = self.draft_s * (k / self.max_k if self.per_depth else 1.0)
+        rows = batch * (1.0 + self.draft_nodes(k, budget))
         return self.rows_seconds(rows) + drafter * self.rows_seconds(batch) / self.plain_s
 
-    def speedup(self, k: int, batch: int = 1) -> float:
-        """Predicted tokens per second at lookahead k over plain decoding's, at ``batch``."""
-        return self.tokens(k) * self.rows_seconds(batch) / self.seconds(k, batch)
+    def speedup(self, k: int, batch: int = 1, budget: int | None = None) -> float:
+        """Predicted tokens per second at lookahead k (and tree size ``budget``) over plain
+        decoding's, at ``batch``."""
+        return self.tokens(k, budget) * self.rows_seconds(batch) / self.seconds(k, batch, budget)
+
+    def best(self, batch: int = 1) -> tuple[int, int | None]:
+        """The (k, tree size) of the best predicted speedup at ``batch`` (size None: the
+        calibrated one, for a method whose size is not tuned)."""
+        pairs = [(k, b) for k in range(1, self.max_k + 1) for b in self.trees.get(k, [None])]
+        return max(pairs, key=lambda kb: self.speedup(kb[0], batch, kb[1]))
 
     @property
     def best_k(self) -> int:
-        return max(range(1, self.max_k + 1), key=self.speedup)
+        return self.best()[0]
+
+    @property
+    def best_budget(self) -> int | None:
+        """The tree size chosen with :attr:`best_k` (None: not tuned)."""
+        return self.best()[1]
 
     def k_for_batch(self, batch: int) -> int:
-        """The lookahead of the best predicted speedup with ``batch`` sequences decoding, 0
-        (no drafting) when none beats plain decoding by MARGIN."""
-        k = max(range(1, self.max_k + 1), key=lambda k: self.speedup(k, batch))
-        return k if self.speedup(k, batch) > MARGIN else 0
+        """The lookahead of the best predicted speedup with ``batch`` sequences decoding (the
+        tree size chosen at batch 1), 0 (no drafting) when none beats plain decoding by
+        MARGIN."""
+        b = self.best_budget
+        k = max(range(1, self.max_k + 1), key=lambda k: self.speedup(k, batch, b))
+        return k if self.speedup(k, batch, b) > MARGIN else 0
 
     @property
     def pays(self) -> bool:
         """Whether drafting at the best k is predicted to beat plain decoding by MARGIN."""
-        return self.speedup(self.best_k) > MARGIN
+        k, b = self.best()
+        return self.speedup(k, 1, b) > MARGIN
 
     def summary(self) -> dict:
-        """JSON-ready: the measurements and the predicted speedup of every k."""
-        return asdict(self) | {"k": self.best_k, "pays": self.pays, "predicted": {
-            k: round(self.speedup(k), 4) for k in range(1, self.max_k + 1)},
-            "k_by_batch": {b: self.k_for_batch(b) for b in (1, 4, 16, 64)}}
+        """JSON-ready: the measurements and the predicted speedup of every k (at the chosen
+        tree size)."""
+        b = self.best_budget
+        return asdict(self) | {"k": self.best_k, "tree_nodes": b, "pays": self.pays,
+                               "predicted": {k: round(self.speedup(k, 1, b), 4)
+                                             for k in range(1, self.max_k + 1)},
+                               "k_by_batch": {n: self.k_for_batch(n) for n in (1, 4, 16, 64)}}
 
 
 def serve(engine: LLMEngine, groups: list[list[list[int]]], max_tokens: int, batch: int = 1
@@ -199,13 +234,35 @@ def calibrate(engine: LLMEngine, method: str, max_k: int,
     spec = build(max_k)
     engine.use_speculator(spec)
     serve_one_by_one(engine, warm_up, 4)
-    spec.stats = type(spec.stats)()
+    spec.stats = type(spec.stats)(log=[])
     steps = serve_one_by_one(engine, prompts, max_tokens)
     engine.speculator = engine.runner.speculator = None
     s, n = spec.stats, len(steps)
     proposed = (s.proposed + [0] * max_k)[:max_k]
     accepted = (s.accepted + [0] * max_k)[:max_k]
     nodes = [p * s.nodes / max(1, sum(proposed)) / n for p in proposed]   # a tree's width
+    size = max((len(d) for d, _ in s.log), default=0) if method in BUDGETED else 0
+    trees = {k: {b: cut_tree(s.log, k, b, n) for b in range(1, size + 1)}
+             for k in range(1, max_k + 1)} if size else {}
     return Calibration(method, max_k, median(plain), sum(steps) / n,
                        s.propose_seconds / (n + len(prompts)),    # each prefill proposes too
-                       [a / n for a in accepted], nodes, method in PER_DEPTH, batches)
+                       [a / n for a in accepted], nodes, method in PER_DEPTH, batches, trees)
+
+
+def cut_tree(log: list[tuple[list[int], list[int]]], k: int, size: int, steps: int
+             ) -> tuple[float, float]:
+    """(tokens, draft nodes) per decode step had each logged draft (its nodes' depths best
+    first, the accepted path's node indices) kept only its best ``size`` nodes of depth
+    <= k: the accepted path goes on while its nodes are among them."""
+    tokens, nodes = float(steps), 0.0
+    for depths, path in log:
+        rank = {}                          # node index -> its place among depth <= k
+        for i, d in enumerate(depths, start=1):
+            if d <= k:
+                rank[i] = len(rank) + 1
+        nodes += min(size, len(rank))
+        for node in path:
+            if rank.get(node, size + 1) > size:
+                break
+            tokens += 1
+    return tokens / steps, nodes / steps

@@ -39,6 +39,8 @@ class SpecStats:
     nodes: int = 0                   # draft tokens verified, over all rounds
     propose_seconds: float = 0.0     # wall time in the drafter (all of its work)
     verify_seconds: float = 0.0      # wall time in the verification rules
+    log: list[tuple[list[int], list[int]]] | None = None   # per round, when a list: the
+    #                                  draft's node depths in its order, the accepted path's nodes
 
     def add(self, depth: int, kept: int, nodes: int = 0) -> None:
         grow = max(depth, kept) - len(self.proposed)
@@ -124,6 +126,8 @@ class DraftAndVerify:
             else:
                 path, nxt = tree_accept(children, tokens, None, p, generator)
         self.stats.add(max(draft.depths()), len(path), len(draft.tokens))
+        if self.stats.log is not None:
+            self.stats.log.append((draft.depths()[1:], list(path)))
         observe = getattr(self.proposer, "observe", None)
         if observe is not None:
             observe(seq.seq_id, len(path))
@@ -239,11 +243,12 @@ def auto_speculator(cfg: SpeculativeConfig, engine: LLMEngine, drafter=None,
     if prompts is None:
         prompts = calibration_prompts(engine)
 
-    def build(k: int) -> DraftAndVerify:
-        return build_speculator(replace(cfg, num_speculative_tokens=k), engine, drafter)
+    def build(k: int, nodes: int | None = None) -> DraftAndVerify:
+        return build_speculator(replace(cfg, num_speculative_tokens=k,
+                                        tree_nodes=nodes or cfg.tree_nodes), engine, drafter)
 
     calibration = calibrate(engine, cfg.method, top, build, prompts)
-    spec = build(calibration.best_k)
+    spec = build(*calibration.best())
     spec.calibration, spec.drafting = calibration, calibration.pays
     return spec
 

@@ -50,8 +50,9 @@ def tree_parents(paths: list[Path]) -> list[int]:
 
 def top_nodes(scores: list[float], parents: list[int], budget: int) -> list[int]:
     """EAGLE-2's rerank: the ``budget`` nodes (1-based, parents 0-based as in a Draft) with the
-    highest joint log-confidence ``scores``, ancestors included, in an order where a parent
-    comes before its children."""
+    highest joint log-confidence ``scores``, ancestors included, best first (a child's score is
+    its parent's plus a log-probability, so a parent comes before its children; ties: the
+    earlier node first): the first b of them are the best tree of b nodes."""
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     keep: set[int] = set()
     for i in order:
@@ -63,7 +64,7 @@ def top_nodes(scores: list[float], parents: list[int], budget: int) -> list[int]
             node = parents[node - 1]
         if len(keep) + len(chain) <= budget:
             keep.update(chain)
-    return sorted(keep)
+    return sorted(keep, key=lambda n: (-scores[n - 1], n))
 
 
 def best_first_tree(logps: list[list[float]], budget: int

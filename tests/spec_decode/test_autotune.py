@@ -11,7 +11,12 @@ from test_spec_engine import random_drafter, repetitive
 from minillm import SamplingParams
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.spec_decode import build_speculator
-from minillm.spec_decode.autotune import Calibration, acceptance_rate, leviathan_speedup
+from minillm.spec_decode.autotune import (
+    Calibration,
+    acceptance_rate,
+    cut_tree,
+    leviathan_speedup,
+)
 
 
 @pytest.mark.parametrize("a, c", [(0.8, 0.05), (0.6, 0.2), (0.3, 0.5)])
@@ -162,3 +167,47 @@ def test_a_speculator_that_does_not_draft_asks_for_no_hidden_states(model):
     assert spec.hidden_layers == ()
     assert_serves_plain_tokens(model, engine, spec, prompts_of([7, 11], seed=2), 8)
     assert spec.stats.rounds == 0
+
+
+def test_a_cut_tree_keeps_the_accepted_path_within_its_best_nodes():
+    """Two logged drafts (node depths best first, accepted path): cut to the best b nodes of
+    depth <= k, the path goes on while its nodes are among them."""
+    log = [([1, 1, 2, 2, 3], [1, 3, 5]), ([1, 2, 1, 3], [2])]
+    assert cut_tree(log, 3, 5, 2) == ((4 + 2) / 2, (5 + 4) / 2)
+    assert cut_tree(log, 3, 2, 2) == ((2 + 2) / 2, (2 + 2) / 2)   # node 3 is 3rd, node 2 2nd
+    assert cut_tree(log, 1, 5, 2) == ((2 + 1) / 2, (2 + 2) / 2)   # node 2 of the 2nd: depth 2
+    assert cut_tree(log, 2, 3, 2) == ((3 + 2) / 2, (3 + 3) / 2)
+
+
+def test_a_small_tree_wins_where_verifying_rows_is_dear():
+    """Most of the accepted tokens sit in the best 2 nodes; a step of up to 4 rows costs one
+    decode step, more rows cost more: the chosen tree is the largest of 4 rows (3 nodes), and
+    with verification free it is the largest."""
+    trees = {1: {b: (1.5, min(b, 4)) for b in range(1, 9)},
+             2: {b: (1.5 + 0.3 * (b >= 2) + 0.02 * b, b) for b in range(1, 9)}}
+    dear = Calibration("eagle", 2, 0.02, 0.04, 0.0, [0.5, 0.3], [4.0, 4.0], True,
+                       batch_s={4: 0.02, 16: 0.08}, trees=trees)
+    assert dear.best() == (2, 3)
+    free = Calibration("eagle", 2, 0.02, 0.02, 0.0, [0.5, 0.3], [4.0, 4.0], True,
+                       batch_s={16: 0.02}, trees=trees)
+    assert free.best() == (2, 8)
+
+
+def test_auto_sizes_an_eagle_tree_from_its_log(model):
+    """EAGLE with "auto": the calibration predicts every (k, size); at the full size its
+    prediction is what it measured per depth, and the speculator is built at the pair it
+    chose."""
+    engine = LLMEngine(model, None, EngineConfig(num_kv_blocks=256, block_size=4, max_num_seqs=4))
+    spec = build_speculator({"method": "eagle", "num_speculative_tokens": "auto",
+                             "tree_nodes": 6}, engine, drafter=random_drafter("eagle", model),
+                            calibration_prompts=repetitive(3, seed=3))
+    cal = spec.calibration
+    assert sorted(cal.trees) == list(range(1, cal.max_k + 1))
+    assert max(cal.trees[1]) <= 6
+    full = max(cal.trees[cal.max_k])
+    assert cal.tokens(cal.max_k, full) == pytest.approx(cal.tokens(cal.max_k))
+    assert cal.draft_nodes(cal.max_k, full) == pytest.approx(cal.draft_nodes(cal.max_k))
+    k, b = cal.best()
+    assert spec.config.num_speculative_tokens == k and spec.config.tree_nodes == b
+    assert spec.proposer.budget == b
+    assert_all_free(engine)
