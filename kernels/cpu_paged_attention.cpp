@@ -110,6 +110,10 @@ static std::vector<Item> work_items(const int32_t* cu_q, const int32_t* seq_lens
     return items;
 }
 
+// A tree row's key j places after its mask's first key (j < 0: before the mask, seen; bit j
+// of the row's bits: seen). Masks span at most 64 keys.
+static inline bool hidden(int64_t bits, int64_t j) { return j >= 0 && !((bits >> j) & 1); }
+
 // The next block's keys and values are fetched while this one is worked on, a slice of its
 // cache lines per query row: a whole block's prefetches in one burst (192 lines) stall the
 // loads behind them, and the kernel ran at half the speed. ``next`` < 0: nothing to fetch.
@@ -181,7 +185,8 @@ template <int64_t D>
 static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                         const int32_t* tables, int64_t width, const int32_t* seq_lens,
                         const int32_t* cu_q, const int32_t* seqs, int64_t n_seqs, uint16_t* out,
-                        int64_t hq, int64_t hkv, int64_t bs, float scale) {
+                        int64_t hq, int64_t hkv, int64_t bs, float scale,
+                        const int64_t* row_bits, const int32_t* mask_from) {
     static_assert(D % 32 == 0, "a head is whole 32-lane bfloat16 registers");
     const int64_t g = hq / hkv, row = hkv * D;
     const std::vector<Item> items = work_items(cu_q, seq_lens, seqs, n_seqs);
@@ -217,6 +222,7 @@ static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
                 const int64_t cnt = seen < n ? seen : n, kvh = (r % hq) / g;
                 next.fetch_slice(r);
                 if (cnt <= 0) continue;
+                const int64_t bits = row_bits ? row_bits[q0 + r / hq] : -1;
                 __m512bh qv[D / 32];
                 for (int64_t c = 0; c < D / 32; ++c)
                     qv[c] = (__m512bh)_mm512_loadu_si512(q + (q0 * hq + r) * D + 32 * c);
@@ -224,7 +230,11 @@ static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
                 for (int64_t e = 0; e < D / 16; ++e) a[e] = _mm512_loadu_ps(&acc[r * D + 16 * e]);
                 for (int64_t o0 = 0; o0 < cnt; o0 += 16) {    // 16 keys: one online-softmax step
                     const int64_t nk = cnt - o0 < 16 ? cnt - o0 : 16;
-                    const __mmask16 valid = (__mmask16)((1u << nk) - 1u);
+                    __mmask16 valid = (__mmask16)((1u << nk) - 1u);
+                    if (bits != -1)                          // a tree row: hide non-ancestors
+                        for (int64_t j = 0; j < nk; ++j)
+                            if (hidden(bits, p0 + o0 + j - mask_from[s]))
+                                valid &= (__mmask16)~(1u << j);
                     __m512 raw = _mm512_setzero_ps();
                     if (transposed) {
                         const uint32_t* kg = &kt[(kvh * groups + o0 / 16) * (D / 2) * 16];
@@ -289,7 +299,8 @@ template <typename T, typename C, int64_t D>     // D > 0: the head dim, known w
 static void attend(const T* q, const C* kc, const C* vc, const int32_t* tables, int64_t width,
                    const int32_t* seq_lens, const int32_t* cu_q, const int32_t* seqs,
                    int64_t n_seqs, T* out, int64_t hq, int64_t hkv, int64_t dim, int64_t bs,
-                   float scale, const float* ks, const float* vs) {
+                   float scale, const float* ks, const float* vs, const int64_t* row_bits,
+                   const int32_t* mask_from) {
     const int64_t d = D > 0 ? D : dim, g = hq / hkv, row = hkv * d;   // row: one cached token
     constexpr bool int8 = std::is_same_v<C, int8_t>;
     const std::vector<Item> items = work_items(cu_q, seq_lens, seqs, n_seqs);
@@ -324,6 +335,10 @@ static void attend(const T* q, const C* kc, const C* vc, const int32_t* tables, 
                 for (; o < cnt; ++o) p[o] = dot<D>(qr, &kf[o * row + kvh * d], d);
                 if (int8)                                    // q . (s k) = s (q . k)
                     for (o = 0; o < cnt; ++o) p[o] *= k_scale[o * hkv + kvh];
+                const int64_t bits = row_bits ? row_bits[q0 + r / hq] : -1;
+                if (bits != -1)                              // a tree row: hide non-ancestors
+                    for (o = 0; o < cnt; ++o)
+                        if (hidden(bits, p0 + o - mask_from[s])) p[o] = -INFINITY;
                 for (o = 0; o < cnt; ++o) best = p[o] > best ? p[o] : best;
                 const float alpha = exp_neg(m[r] - best);
                 float sum = 0.0f;
@@ -348,10 +363,11 @@ static void attend(const T* q, const C* kc, const C* vc, const int32_t* tables, 
 extern "C" void NAME(const void* q, const void* kc, const void* vc, const int32_t* tables,  \
                      int64_t width, const int32_t* seq_lens, const int32_t* cu_q,            \
                      const int32_t* seqs, int64_t n_seqs, void* out, int64_t hq, int64_t hkv, \
-                     int64_t d, int64_t bs, float scale, const float* ks, const float* vs) { \
+                     int64_t d, int64_t bs, float scale, const float* ks, const float* vs,   \
+                     const int64_t* rb, const int32_t* mf) {                                 \
     auto run = d == 64 ? attend<T, C, 64> : d == 128 ? attend<T, C, 128> : attend<T, C, 0>; \
     run((const T*)q, (const C*)kc, (const C*)vc, tables, width, seq_lens, cu_q, seqs,       \
-        n_seqs, (T*)out, hq, hkv, d, bs, scale, ks, vs);                                    \
+        n_seqs, (T*)out, hq, hkv, d, bs, scale, ks, vs, rb, mf);                            \
 }
 ENTRY(paged_attention_f32, float, float)
 ENTRY(paged_attention_f32_kvbf16, float, uint16_t)
@@ -362,14 +378,15 @@ extern "C" void paged_attention_bf16(const void* q, const void* kc, const void* 
                                      const int32_t* tables, int64_t width, const int32_t* seq_lens,
                                      const int32_t* cu_q, const int32_t* seqs, int64_t n_seqs,
                                      void* out, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
-                                     float scale, const float*, const float*) {
+                                     float scale, const float*, const float*,
+                                     const int64_t* rb, const int32_t* mf) {
     auto fast = d == 64 ? attend_bf16<64> : d == 128 ? attend_bf16<128> : nullptr;
     if (fast != nullptr)
         return fast((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, tables, width,
-                    seq_lens, cu_q, seqs, n_seqs, (uint16_t*)out, hq, hkv, bs, scale);
+                    seq_lens, cu_q, seqs, n_seqs, (uint16_t*)out, hq, hkv, bs, scale, rb, mf);
     auto run = attend<uint16_t, uint16_t, 0>;
     run((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, tables, width, seq_lens,
-        cu_q, seqs, n_seqs, (uint16_t*)out, hq, hkv, d, bs, scale, nullptr, nullptr);
+        cu_q, seqs, n_seqs, (uint16_t*)out, hq, hkv, d, bs, scale, nullptr, nullptr, rb, mf);
 }
 #else
 ENTRY(paged_attention_bf16, uint16_t, uint16_t)

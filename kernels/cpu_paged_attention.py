@@ -19,7 +19,9 @@ CPUs with AVX512-BF16 the bfloat16 kernel takes q . k from the cached bf16 value
 ``vdpbf16ps`` (bf16 products are exact in fp32, the sums fp32) and sums 16 keys' partial dot
 products with one transposing reduction; elsewhere bf16 is widened on load. Semantics are those
 of ``paged_prefill_attention``: sequence i's new query r, with L = seq_lens[i] cached tokens of
-which n are new, sees keys j <= L - n + r.
+which n are new, sees keys j <= L - n + r; a speculative tree's rows (optional per-row bit
+masks over the last keys, at most 64) also skip the keys their mask hides, so a tree draft is
+verified here too instead of being gathered for SDPA.
 
 The C++ is ``cpu_paged_attention.cpp`` beside this file, compiled after ``cpu_build.SCALARS``
 on first use by :mod:`.cpu_build` (``-O3 -march=native``, about a second) into a cache folder
@@ -51,7 +53,8 @@ SOURCE = SCALARS + SOURCE_FILE.read_text()
 
 _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + \
     [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float] + \
-    [ctypes.c_void_p] * 2
+    [ctypes.c_void_p] * 4
+MAX_MASK = 64         # a tree mask's keys: one int64 of bits per row
 LIBRARY = Library("paged_attention", SOURCE,
                   {f"paged_attention_{fmt}": _ARGS for fmt in FORMATS.values()},
                   source_file=SOURCE_FILE)
@@ -75,10 +78,14 @@ def unavailable_reason() -> str:
 def attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seqs: torch.Tensor, out: torch.Tensor,
-                    scale: float | None = None) -> None:
+                    scale: float | None = None, row_bits: torch.Tensor | None = None,
+                    mask_from: torch.Tensor | None = None) -> None:
     """The C++ call itself, unchecked (for the engine, which built every index it passes; use
     :func:`cpu_paged_attention` otherwise): writes sequences ``seqs``' rows of ``out``.
-    ``k_cache``, ``v_cache``: tensors, or ``Int8Blocks`` (data and scales) for an int8 cache."""
+    ``k_cache``, ``v_cache``: tensors, or ``Int8Blocks`` (data and scales) for an int8 cache.
+    Tree masks (both or neither): ``row_bits`` int64 [N], per row the keys it sees among its
+    sequence's keys ``mask_from[s]`` (int32 [S]) onwards, bit j for key mask_from[s] + j (at
+    most :data:`MAX_MASK` keys; -1: no mask, causal), on top of the causal rule."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     (kc, ks), (vc, vs) = _parts(k_cache), _parts(v_cache)
     fn = getattr(LIBRARY.get(), f"paged_attention_{FORMATS[q.dtype, kc.dtype]}")
@@ -87,7 +94,9 @@ def attend_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             block_tables.shape[1], seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),
             seqs.data_ptr(), seqs.shape[0], out.data_ptr(), hq, kc.shape[2], d,
             kc.shape[1], scale, None if ks is None else ks.data_ptr(),
-            None if vs is None else vs.data_ptr())
+            None if vs is None else vs.data_ptr(),
+            None if row_bits is None else row_bits.data_ptr(),
+            None if mask_from is None else mask_from.data_ptr())
     profiled_call(fn, "cpu_paged_attention", *args)
 
 

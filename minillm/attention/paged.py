@@ -23,7 +23,8 @@ the layer's caches and the :class:`PagedMetadata`, and return [N, Hq, D]:
   Runs anywhere; the CPU fallback.
 - ``cpu``: every sequence without a tree mask (decodes, verifications, prompts and chunks) goes
   to a C++ kernel that reads its blocks in place (``minillm.kernels.cpu_paged_attention``): no
-  gather, no padding, no mask, no GQA copy of K/V; sequences with a tree mask as ``sdpa``. The
+  gather, no padding, no GQA copy of K/V; a tree mask over at most 64 keys is read as bits
+  per row (``meta.row_bits``), a wider one goes to a group as with ``sdpa``. The
   CPU default where a C++ compiler built the kernel (float32 and bfloat16 models); its speed
   against these SDPA paths: ``benchmarks/cpu_attention_bench.py``.
 - ``triton``: the paged kernels of chapter 05 read the blocks in place: split-KV decode when every
@@ -89,7 +90,9 @@ class PagedMetadata:
     sequence). ``groups``: the padded groups (:class:`QueryGroup`); ``singles``: the other
     sequences, attended one by one. ``has_masks``: some sequence brought a tree mask.
     ``direct``: int32 [M], sequences left to a kernel that reads the blocks in place (built
-    with ``direct=True``: every one without a tree mask), else None.
+    with ``direct=True``: every one without a tree mask, and those whose mask spans at most
+    64 keys), else None; for the masked ones among them ``row_bits`` int64 [N] (per row, bit
+    j: it sees key ``mask_from[s] + j``; -1: no mask) and ``mask_from`` int32 [S], else None.
     """
 
     slot_mapping: torch.Tensor
@@ -104,10 +107,15 @@ class PagedMetadata:
     singles: list[int] = field(default_factory=list)
     has_masks: bool = False
     direct: torch.Tensor | None = None
+    row_bits: torch.Tensor | None = None
+    mask_from: torch.Tensor | None = None
 
     @property
     def max_q_len(self) -> int:
         return max(self.q_lens)
+
+
+MASK_BITS = 64          # the widest tree mask a direct kernel takes (one int64 of bits a row)
 
 
 def grouped(ctx_len: int, q_len: int, has_mask: bool) -> bool:
@@ -171,7 +179,8 @@ def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: l
     (causal), over the sequence's last w keys (q_lens[i] <= w <= its length; w = q_lens[i]:
     its new tokens); ``q_per_kv``: query heads per KV head (GQA); ``buffers``: write the tensors
     into these (:class:`StepBuffers`) instead of fresh ones; ``direct``: list every sequence
-    without a tree mask in ``meta.direct`` (for a kernel that reads the blocks in place)
+    without a tree mask, and every one whose mask the kernel takes (:func:`bits_fit`: as
+    bits, ``meta.row_bits``), in ``meta.direct`` (for a kernel that reads the blocks in place)
     instead of padding it into a group or attending it on its own. ``groups`` False: stop
     after the per-sequence tensors (``groups``, ``singles`` empty, ``direct`` None), for a
     backend that reads those alone, such as the Triton decode kernel of a captured decode
@@ -208,7 +217,7 @@ def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: l
     pending: list[int] = []
     direct_seqs: list[int] = []
     for i, (c, n, m) in enumerate(zip(ctx_lens, q_lens, masks)):
-        if direct and m is None:
+        if direct and (m is None or bits_fit(m)):
             direct_seqs.append(i)
             continue
         if not grouped(c, n, m is not None):
@@ -222,7 +231,35 @@ def build_metadata(block_tables: list[list[int]], ctx_lens: list[int], q_lens: l
         meta.groups.append(_group(pending, meta, block_tables, masks, q_per_kv, device))
     if direct:
         meta.direct = torch.tensor(direct_seqs, dtype=torch.int32, device=device)
+        if any(masks[i] is not None for i in direct_seqs):
+            meta.row_bits, meta.mask_from = mask_bits(masks, direct_seqs, meta, device)
     return meta
+
+
+def bits_fit(mask: torch.Tensor) -> bool:
+    """Whether a direct kernel takes ``mask`` [n, w] as bits: at most MASK_BITS keys wide, and
+    within the causal rule (row t sees no key after its own, as a tree's node sees only
+    ancestors; a bidirectional block does not fit)."""
+    n, w = mask.shape
+    return w <= MASK_BITS and not mask.triu(diagonal=w - n + 1).any()
+
+
+def mask_bits(masks: list[torch.Tensor | None], seqs: list[int], meta: PagedMetadata,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree masks as a kernel reads them: row_bits int64 [N] (row t of a masked sequence:
+    bit j set where it sees key mask_from + j; -1 elsewhere) and mask_from int32 [S] (the
+    sequence's first masked key: its length minus the mask's width)."""
+    bits = torch.full((sum(meta.q_lens),), -1, dtype=torch.long)
+    start = [c + n for c, n in zip(meta.ctx_lens, meta.q_lens)]
+    for i in seqs:
+        m = masks[i]
+        if m is not None:
+            w = m.shape[1]
+            weights = torch.ones(w, dtype=torch.long) << torch.arange(w)
+            bits[meta.starts[i]:meta.starts[i] + meta.q_lens[i]] = \
+                (m.to("cpu", torch.long) * weights).sum(1)
+            start[i] -= w
+    return bits.to(device), torch.tensor(start, dtype=torch.int32, device=device)
 
 
 def _group(seqs: list[int], meta: PagedMetadata, block_tables: list[list[int]],
@@ -342,7 +379,8 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     if meta.direct is not None and meta.direct.numel():
         kernel.attend_in_place(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                               meta.cu_seqlens_q, meta.direct, out)
+                               meta.cu_seqlens_q, meta.direct, out, row_bits=meta.row_bits,
+                               mask_from=meta.mask_from)
     return attend_groups_and_singles(q, k, v, k_cache, v_cache, meta, out)
 
 

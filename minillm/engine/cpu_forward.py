@@ -23,8 +23,9 @@ close to a float64 forward as the eager path, float32 within 1e-5 of it, the sam
 float32 text).
 :func:`supports` says when it applies: a dense Llama-family model (no QK-norm, no experts) on
 the CPU with the C++ kernels built; the runner also requires the ``cpu`` backend (not wrapped;
-every other case takes the eager path). A speculative step's tree drafts are attended with
-their masks by SDPA, beside the kernel's sequences, inside the same fused layers. Like a
+every other case takes the eager path). A speculative step's tree drafts go to the same
+kernel with their masks as bits (a mask wider than it takes: SDPA in a padded group, inside
+the same fused layers). Like a
 compiled graph, it runs no ``nn.Module`` hooks: to hook the layers, turn it off
 (``EngineConfig(fuse_ops=False)``). The KV connector's per-layer calls run here as in the
 eager path.
@@ -164,9 +165,9 @@ class CpuForward:
     def runs(self, batch: PagedBatch) -> bool:
         """Whether :meth:`__call__` (or :meth:`layers`) computes a forward over ``batch`` now:
         its backend declares ``cpu_fast_path`` (computes exactly the C++ kernel's attention),
-        its metadata was built with ``direct=True`` (the causal sequences go to the paged
-        kernel) and has every tree-masked sequence after cached context (SDPA with its mask
-        then reads only the cache), and :meth:`applies`."""
+        its metadata was built with ``direct=True`` (the sequences go to the paged kernel)
+        and has every one left to SDPA (a tree mask wider than the kernel takes) after cached
+        context (SDPA with its mask then reads only the cache), and :meth:`applies`."""
         meta = batch.meta
         return batch.attn.cpu_fast_path and meta.direct is not None \
             and all(meta.ctx_lens[i] for i in meta.singles) and self.applies()
@@ -179,9 +180,9 @@ class CpuForward:
         [N, D], {layer: residual stream after it [N, D]} for the layers in ``keep``); stores
         each layer's K/V at ``batch.meta.slot_mapping`` of ``batch.pool``, calling
         ``before_layer(i)`` / ``after_layer(i)`` around layer i as ``forward_layers`` does.
-        Call where it :meth:`runs` the batch: the sequences
-        of ``meta.direct`` go to the paged kernel, the tree-masked ones (which have cached
-        context) to SDPA in padded groups."""
+        Call where it :meth:`runs` the batch: the sequences of ``meta.direct`` go to the
+        paged kernel (tree masks as ``meta.row_bits``), the others (wider tree masks, after
+        cached context) to SDPA in padded groups."""
         return self.layers(self.model.embed(input_ids), positions, batch, keep, before_layer,
                            after_layer)
 
@@ -212,8 +213,9 @@ class CpuForward:
             out = torch.empty_like(q_rot)
             if meta.direct.numel():
                 attention.attend_in_place(q_rot, k_cache, v_cache, meta.block_tables,
-                                          meta.seq_lens, meta.cu_seqlens_q, meta.direct, out)
-            if meta.has_masks:                 # tree drafts: SDPA with their masks
+                                          meta.seq_lens, meta.cu_seqlens_q, meta.direct, out,
+                                          row_bits=meta.row_bits, mask_from=meta.mask_from)
+            if meta.groups or meta.singles:    # wide tree masks: SDPA in padded groups
                 attend_groups_and_singles(q_rot, None, None, k_cache, v_cache, meta, out)
             delta = o(out.view(n, -1))
             gate, up = gate_up(norm(delta, layer.ffn_norm)).chunk(2, dim=1)

@@ -91,7 +91,8 @@ def mixed_shapes(block_size: int, seed: int) -> list[tuple[int, int, bool]]:
     decodes = [(int(n), 1, False) for n in torch.randint(1, 60, (QUERY_GROUP + 3,), generator=g)]
     verify = [(int(c), int(n), False) for c, n in zip(torch.randint(1, 80, (5,), generator=g),
                                                       [2, 5, 17, 64, 3])]
-    trees = [(37, 7, True), (0, 6, True), (block_size, 12, True), (30, 5, 12), (9, 4, 13)]
+    trees = [(37, 7, True), (0, 6, True), (block_size, 12, True), (30, 5, 12), (9, 4, 13),
+             (80, 6, 70)]                  # wider than 64 keys: not as kernel bits
     prompts = [(0, 23, False), (0, 1, False), (17, 9, False), (40, 100, False)]
     return decodes + verify + trees + prompts
 
@@ -110,16 +111,15 @@ needs_kernel = pytest.mark.skipif(default_paged_backend(torch.device("cpu"), tor
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (8, 8, 32, 4), (8, 1, 16, 7)])
 def test_cpu_paged_attention_matches_dense_masked_attention(hq, hkv, d, block_size, dtype, tol):
-    """The C++ kernel takes every unmasked sequence (meta.direct: decodes, verifications,
-    prompts, chunks over a prefix), sdpa the tree masks, in one mixed step; the result is
-    float64 attention's."""
+    """The C++ kernel takes every sequence (meta.direct: decodes, verifications, prompts,
+    chunks over a prefix, trees with their masks as bits) but one whose mask spans more than
+    64 keys, which sdpa takes, in one mixed step; the result is float64 attention's."""
     shapes = mixed_shapes(block_size, hq)
     args, ref = make_step(hq, hkv, d, block_size, shapes, seed=block_size, dtype=dtype,
                           direct=True)
     meta = args[-1]
-    unmasked = [s for s in shapes if not s[2]]
-    assert meta.direct.numel() == len(unmasked) and meta.groups  # the trees go to sdpa
-    assert not meta.singles
+    assert meta.direct.numel() == len(shapes) - 1 and len(meta.groups) == 1
+    assert not meta.singles and meta.row_bits is not None
     out = cpu_paged_attention(*args)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref.double(), rtol=tol, atol=tol)
@@ -170,3 +170,17 @@ def test_named_backends_declare_what_they_read():
         assert backend.reads_direct == backend.cpu_fast_path == (name == "cpu")
     args, ref = make_step(4, 2, 16, 16, [(13, 1, False), (0, 9, False)], seed=3)
     torch.testing.assert_close(get_paged_backend("sdpa")(*args), ref)
+
+
+def test_only_masks_within_the_causal_rule_go_to_the_kernel():
+    """A tree's mask (each node sees earlier nodes only) is read as bits by the kernel; a
+    bidirectional block (rows see later keys) or one wider than 64 keys is left to a group."""
+    tree = random_tree(4, torch.Generator().manual_seed(0))
+    both = torch.ones(4, 4, dtype=torch.bool)
+    meta = build_metadata([[0, 1], [2, 3], [4, 5, 6, 7, 8]], [3, 3, 70], [4, 4, 4], 16,
+                          torch.device("cpu"), [tree, both, torch.ones(4, 65).bool().tril(61)],
+                          direct=True)
+    assert meta.direct.tolist() == [0] and [(g.first, g.last) for g in meta.groups] == [(1, 3)]
+    assert meta.row_bits[:4].tolist() == [sum(1 << j for j in range(4) if tree[t, j])
+                                          for t in range(4)]
+    assert meta.mask_from.tolist()[0] == 3 and meta.row_bits[4:].tolist() == [-1] * 8
