@@ -2,6 +2,8 @@
 files are checked (missing, changed, for another model)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from engine_checks import sharp_model
@@ -10,7 +12,16 @@ from test_spec_engine import random_drafter
 from minillm import SamplingParams
 from minillm.engine import EngineConfig, LLMEngine
 from minillm.spec_decode import SpeculativeConfig, build_speculator
-from minillm.spec_decode.weights import load_drafter, save_drafter
+from minillm.spec_decode.weights import (
+    BUDGET_BYTES,
+    GROUP,
+    STORAGE,
+    WEIGHTS_DIR,
+    dequantize,
+    load_drafter,
+    quantize,
+    save_drafter,
+)
 
 
 @pytest.mark.parametrize("options, match", [
@@ -61,7 +72,9 @@ def test_weight_files_are_checked(model, tmp_path):
     path = save_drafter(module, model, module.cfg, head.ids, {"steps": 0}, tmp_path / "eagle.pt")
     loaded, _, manifest = load_drafter("eagle", model, path)
     for a, b in zip(loaded.state_dict().values(), module.state_dict().values()):
-        assert torch.allclose(a.float(), b.float(), atol=0.01 * b.float().abs().max() + 1e-6)
+        # int4 in groups of 64 columns: within half a step, 1/14 of the group's largest value
+        assert torch.allclose(a.float(), b.float(), atol=b.float().abs().max() / 13 + 1e-6)
+    assert manifest["storage"] == STORAGE
     other = sharp_model(torch.float32, seed=11)
     with pytest.raises(ValueError, match="trained for another model"):
         load_drafter("eagle", other, path)
@@ -83,3 +96,32 @@ def test_auto_with_a_drafter_that_has_no_weights_names_the_method(model, tmp_pat
     with pytest.raises(FileNotFoundError, match="speculative_config method 'eagle3' needs"):
         build_speculator(options, engine, calibration_prompts=[[5, 6, 7]])
     assert not engine.requests and engine.speculator is None      # nothing ran
+
+
+def test_stored_matrices_round_trip_within_half_a_step():
+    """int4 in groups of GROUP columns: every value within half its group's step (the group's
+    largest magnitude / 7, fp16-rounded) of the original; a matrix of another width as int8
+    rows (half a step: its row's largest / 127); vectors as fp16."""
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(96, 3 * GROUP, generator=g) * torch.rand(96, 1, generator=g),
+             "odd": torch.randn(80, 70, generator=g), "v": torch.randn(9, generator=g)}
+    stored = quantize(state)
+    assert stored["w.int4"].dtype == torch.uint8 and stored["w.int4"].shape == (96, 3 * GROUP // 2)
+    back = dequantize(stored)
+    step = stored["w.scale"].float()[..., None]              # the group's largest / 7
+    err = (back["w"] - state["w"]).view(96, 3, GROUP).abs()
+    assert (err <= step / 2 + 1e-6).all()
+    assert torch.allclose(step[..., 0], state["w"].view(96, 3, GROUP).abs().amax(-1) / 7,
+                          rtol=1e-3)
+    assert (err > step / 8).any()                   # it is 4-bit: not a float copy
+    row_step = stored["odd.scale"].float()
+    assert ((back["odd"] - state["odd"]).abs() <= row_step / 2 + 1e-6).all()
+    assert torch.equal(back["v"], state["v"].half().float())
+
+
+def test_the_shipped_drafters_fit_the_budget_and_say_how_they_are_stored():
+    files = sorted(WEIGHTS_DIR.glob("*.pt"))
+    assert len(files) >= 6 and sum(f.stat().st_size for f in files) <= BUDGET_BYTES
+    for f in files:
+        manifest = json.loads(f.with_suffix(".json").read_text())
+        assert manifest["storage"] == STORAGE and manifest["bytes"] == f.stat().st_size
