@@ -478,7 +478,10 @@ def sec_spec(d: dict) -> list[str]:
                  [[method] + [times(r["speedup"]) if (r := run(method, k, "mixed", 1)) else "-"
                               for k in ks] for method in default_k])
 
-    load = d["load"]
+    load = d.get("load")
+    if load is None:                  # a run with --no-load
+        return out + ["", "This run measured no load sweeps (`--no-load`).", ""] + \
+            figure("bench_spec", "speculative decoding benchmark")
     lc = load["config"]
     budgets = lc["budgets"]
     out += ["", "Tokens per round at equal verification budgets (draft tokens per sequence per "
