@@ -265,10 +265,14 @@ class DiskTier:
         self._queue.join()
 
     def _write_loop(self) -> None:
+        """The writer thread: it outlives a failed write (counted in ``write_errors``), or
+        every later write would wait forever, and so would :meth:`flush` and the exit."""
         while True:
             key = self._queue.get()
             try:
                 self._write(key, self._pending[key])
+            except Exception:                     # noqa: BLE001 - a dropped write, not a hang
+                self.stats.write_errors += 1
             finally:
                 with self._lock:
                     self._pending.pop(key, None)

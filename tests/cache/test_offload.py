@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,30 @@ def test_a_full_disk_drops_writes_and_keeps_going(tmp_path, monkeypatch):
     disk.flush()
     assert disk.stats.write_errors == 1 and not disk.index and disk.get("a") is None
     assert not list(tmp_path.iterdir())               # the partial temporary file is gone
+
+
+def test_a_write_that_raises_is_dropped_and_the_writer_goes_on(tmp_path, monkeypatch):
+    """Any error while writing one entry (not only a full disk) drops that entry; the writer
+    thread keeps going, so later writes land and flush returns."""
+    real = offload.encode_entry
+    calls = []
+
+    def flaky(kv, key):
+        calls.append(key)
+        if key == "a":
+            raise RuntimeError("encoding failed")
+        return real(kv, key)
+
+    monkeypatch.setattr(offload, "encode_entry", flaky)
+    disk = DiskTier(tmp_path, capacity=1 << 20)
+    disk.put("a", torch.randn(2, 1, 8, 1, 4))
+    disk.put("b", torch.randn(2, 1, 8, 1, 4))
+    flusher = threading.Thread(target=disk.flush, daemon=True)
+    flusher.start()
+    flusher.join(timeout=30)
+    assert not flusher.is_alive(), "flush hung: the writer thread died"
+    assert calls == ["a", "b"] and disk.stats.write_errors == 1
+    assert disk.get("a") is None and disk.get("b") is not None
 
 
 @pytest.mark.parametrize("options, match", [
