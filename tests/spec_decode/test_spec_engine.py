@@ -14,7 +14,7 @@ from engine_checks import assert_all_free, prompts_of, run_all, sharp_model
 from test_spec_verify import tv, wrong_accept
 
 from minillm import SamplingParams
-from minillm.engine import EngineConfig, LLMEngine
+from minillm.engine import EngineConfig, LLMEngine, cpu_forward
 from minillm.engine.sampler import SamplingBatch, filtered_probs
 from minillm.engine.sequence import Draft
 from minillm.spec_decode import speculator as spec_mod
@@ -364,10 +364,12 @@ def test_tree_scores_are_a_dense_pass_over_each_path(model, method, fused):
     path give, through the CPU fast path and the eager modules alike."""
     engine = engine_for(model, method, k=4)
     prop = engine.speculator.proposer
-    if not fused:
-        prop.fused.runs = lambda batch: False
+    real_runs, took = prop.fused.runs, []
+    prop.fused.runs = lambda batch: took.append(fused and real_runs(batch)) or took[-1]
     seen = first_proposal(engine, prompts_of([11], seed=3)[0])
     tree, toks = seen["tree"], seen["tokens"]
+    # the fast path ran where its C++ kernels built (else both runs are the eager path)
+    assert any(took) == (fused and cpu_forward.supports(prop.drafter, prop.drafter.block_cfg))
     assert len(tree["tokens"]) > 2 * prop.topk            # it grew past the first level
     prefix_tokens, prefix = toks[1:len(seen["feats"]) + 1], list(seen["feats"])
     index = {int(t): j for j, t in enumerate(prop.head.ids)}
