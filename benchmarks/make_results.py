@@ -267,8 +267,12 @@ def sec_cpu_forward(d: dict) -> list[str]:
             f"{d['method']}. Load average {loads(d.get('load_average'))}.", ""]
     out += about(d, "cpu_forward", "python benchmarks/cpu_forward_bench.py")
     out += [caption(d, "cpu_forward"), ""]
-    out += table(["batch", "eager ms/step", "fast path ms/step", "speedup"],
-                 [(r["batch"], num(r["eager_ms"], 2), num(r["fused_ms"], 2), times(r["speedup"]))
+    out += table(["weights", "batch", "eager ms/step", "fast path ms/step", "speedup",
+                  "replayed ms/step", "replayed over fast path"],
+                 [(r.get("weights", "float"), r["batch"], num(r["eager_ms"], 2),
+                   num(r["fused_ms"], 2), times(r["speedup"]),
+                   num(r["replayed_ms"], 2) if r.get("replayed_ms") else "-",
+                   times(r["replay_speedup"]) if r.get("replay_speedup") else "-")
                   for r in d["rows"]])
     return out + [""]
 

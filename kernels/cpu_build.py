@@ -19,6 +19,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -155,11 +157,44 @@ class Library:
         return self._loaded[1]
 
 
+Call = tuple[Callable[..., None], str, tuple]     # a C++ function, its name, its arguments
+_recording: list[Call] | None = None
+
+
 def profiled_call(fn, name: str, *args) -> None:
     """``fn(*args)`` (a C++ function), shown as a row ``minillm::<name>`` of torch.profiler's
-    table while the profiler records (the annotation costs ~30 us a call, so only then)."""
+    table while the profiler records (the annotation costs ~30 us a call, so only then), and
+    appended to the list of :func:`recording_calls` while one is open."""
+    if _recording is not None:
+        _recording.append((fn, name, args))
     if torch.autograd.profiler._is_profiler_enabled:
         with record_function(f"minillm::{name}"):
             fn(*args)
     else:
         fn(*args)
+
+
+@contextmanager
+def recording_calls() -> Iterator[list[Call]]:
+    """Within it, every C++ call made through :func:`profiled_call` runs and is also appended,
+    as (function, name, arguments), to the list it yields: a recording that
+    :func:`replay_calls` runs again, the same functions with the same pointers and sizes (the
+    caller keeps every tensor those pointers name alive and at its place). One at a time."""
+    global _recording
+    if _recording is not None:
+        raise RuntimeError("recording_calls: a recording is already open")
+    _recording = calls = []
+    try:
+        yield calls
+    finally:
+        _recording = None
+
+
+def replay_calls(calls: list[Call]) -> None:
+    """Run a recording of :func:`recording_calls` again, call by call (a profiler sees each)."""
+    if torch.autograd.profiler._is_profiler_enabled or _recording is not None:
+        for fn, name, args in calls:
+            profiled_call(fn, name, *args)
+    else:
+        for fn, _, args in calls:
+            fn(*args)

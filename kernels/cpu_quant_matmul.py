@@ -144,8 +144,9 @@ class BoundWeight:
             raise RuntimeError(f"the CPU quantized matmul is unavailable: {unavailable_reason()}")
         self.functions = {dt: getattr(lib, f"{self.name}_{sfx}") for dt, sfx in DTYPES.items()}
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] -> y [M, N], written into ``out`` when given (x's dtype, rows contiguous)."""
+        out = torch.empty(x.shape[0], self.n, dtype=x.dtype) if out is None else out
         args = (x.data_ptr(), x.stride(0), *self.pointers, out.data_ptr(), out.stride(0),
                 x.shape[0], self.n, self.k)
         profiled_call(self.functions[x.dtype], self.name, *args)

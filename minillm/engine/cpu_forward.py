@@ -28,7 +28,8 @@ kernel with their masks as bits (a mask wider than it takes: SDPA in a padded gr
 the same fused layers). Like a
 compiled graph, it runs no ``nn.Module`` hooks: to hook the layers, turn it off
 (``EngineConfig(fuse_ops=False)``). The KV connector's per-layer calls run here as in the
-eager path.
+eager path. A decode step whose every call is C++ (quantized weights at a few rows) is
+recorded once per batch size and replayed after (:mod:`.cpu_replay`, ``replay``).
 ``python benchmarks/cpu_forward_bench.py`` measures it.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ..config import ModelConfig
 from ..model.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
 from ..model.packed import PackedGroup, PackedLinear, can_pack_linears, packed_matmul
 from ..model.transformer import Block, LayerCall
+from .cpu_replay import Buffers, RecordedDecode
 
 
 def _kernels():
@@ -124,7 +126,11 @@ def _matmul_of(module: nn.Module, names: tuple[str, ...]) -> Callable[[torch.Ten
     if group is not None:
         return group(linears)
     packed = _packed(module, names)
-    return lambda x: packed_matmul(x, packed)
+
+    def matmul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        y = packed_matmul(x, packed)
+        return y if out is None else out.copy_(y)
+    return matmul
 
 
 class CpuForward:
@@ -141,7 +147,9 @@ class CpuForward:
         self.model, self.cfg = model, cfg or model.cfg
         self._seen: tuple | None = None
         self.supported = False
-        self.matmuls: list[tuple[Callable[[torch.Tensor], torch.Tensor], ...]] = []
+        self.matmuls: list[tuple[Callable[..., torch.Tensor], ...]] = []
+        self.replay = True       # decode steps whose calls are all C++: recorded, replayed
+        self._recorded: dict[int, RecordedDecode] = {}
 
     def _unchanged(self) -> bool:
         """Every module's children and weight versions as when :meth:`applies` last looked
@@ -155,6 +163,7 @@ class CpuForward:
         if self._unchanged():
             return self.supported
         self.supported = supports(self.model, self.cfg)
+        self._recorded = {}
         self.matmuls = [tuple(_matmul_of(getattr(b, part), names) for part, names in LINEARS)
                         for b in self.model.layers] if self.supported else []
         modules = list(self.model.modules())
@@ -183,47 +192,93 @@ class CpuForward:
         Call where it :meth:`runs` the batch: the sequences of ``meta.direct`` go to the
         paged kernel (tree masks as ``meta.row_bits``), the others (wider tree masks, after
         cached context) to SDPA in padded groups."""
-        return self.layers(self.model.embed(input_ids), positions, batch, keep, before_layer,
-                           after_layer)
+        x = self.model.embed(input_ids)
+        if not keep and before_layer is None and after_layer is None:
+            recorded = self._recording(batch)
+            if recorded is not None:
+                return recorded.run(x, positions, batch.meta), {}
+        return self.layers(x, positions, batch, keep, before_layer, after_layer)
+
+    def _recording(self, batch: PagedBatch) -> RecordedDecode | None:
+        """The recorded step (:mod:`.cpu_replay`) that serves ``batch``, new or kept, if
+        ``replay`` is on and it can: a pure decode step (one new token a sequence, each to
+        the paged kernel unmasked) of n sequences whose every matmul is one C++ call at n rows
+        (``one_call``, e.g. :meth:`minillm.quant.linear.QuantGroup.one_call`)."""
+        meta, n = batch.meta, len(batch.meta.q_lens)
+        if not self.replay or meta.row_bits is not None or meta.groups or meta.singles \
+                or meta.direct is None or meta.direct.numel() != n or sum(meta.q_lens) != n:
+            return None
+        recorded = self._recorded.get(n)
+        if recorded is not None and recorded.serves(batch):
+            return recorded
+        dt = self.model.embed.weight.dtype
+        if not all(getattr(m, "one_call", None) and m.one_call(n, dt)
+                   for mm in self.matmuls for m in mm):
+            return None
+        recorded = RecordedDecode(self.layers, self._rope, batch,
+                                  -(-self.cfg.max_seq_len // meta.block_size))
+        if not recorded.serves(batch):
+            return None
+        self._recorded[n] = recorded
+        return recorded
+
+    def _rope(self, positions: torch.Tensor, buffers: Buffers | None, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos, sin [N, head_dim] at ``positions`` (in ``buffers`` when given)."""
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        if buffers is None:
+            return cos, sin
+        return buffers.put("cos", cos), buffers.put("sin", sin)
 
     def layers(self, x: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
                keep: Collection[int] = (), before_layer: LayerCall | None = None,
-               after_layer: LayerCall | None = None
+               after_layer: LayerCall | None = None, buffers: Buffers | None = None
                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """:meth:`__call__` from the first layer's input rows ``x`` [N, D] (written to in
-        place: the residual stream) instead of token ids."""
+        place: the residual stream) instead of token ids. ``buffers``: take every tensor the
+        step writes from there (a step being recorded, :mod:`.cpu_replay`), not fresh ones."""
         fused, attention = _kernels()
         model, meta, pool, cfg, dt = self.model, batch.meta, batch.pool, self.cfg, x.dtype
         n, hq, hkv, hd = x.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta, dt)          # [N, hd]
+        cos, sin = self._rope(positions, buffers, dt)                        # [N, hd]
 
-        def norm(delta: torch.Tensor | None, rms: RMSNorm) -> torch.Tensor:
+        def new(name: str, width: int) -> torch.Tensor:
+            """An [N, width] tensor to write: fresh, or the buffer ``name``."""
+            return torch.empty(n, width, dtype=dt) if buffers is None \
+                else buffers.empty(name, (n, width), dt)
+
+        def norm(delta: torch.Tensor | None, rms: RMSNorm, name: str = "h") -> torch.Tensor:
             """x += delta (in place, when given), then rms(x): a new [N, D] tensor."""
-            return fused.add_rms_norm_into(x, delta, rms.weight, rms.eps, torch.empty_like(x))
+            return fused.add_rms_norm_into(x, delta, rms.weight, rms.eps, new(name, x.shape[1]))
+
+        def matmul(f: Callable[..., torch.Tensor], h: torch.Tensor, name: str) -> torch.Tensor:
+            return f(h) if buffers is None else f(h, buffers.empty(name, (n, widths[name]), dt))
+        widths = {"qkv": (hq + 2 * hkv) * hd, "o": x.shape[1], "gate_up": 2 * cfg.ffn_dim,
+                  "down": x.shape[1]}
 
         delta, kept = None, {}
         for i, (layer, (qkv, o, gate_up, down)) in enumerate(zip(model.layers, self.matmuls)):
             if before_layer is not None:
                 before_layer(i)
-            q, k, v = qkv(norm(delta, layer.attn_norm)).split(
+            q, k, v = matmul(qkv, norm(delta, layer.attn_norm), "qkv").split(
                 [hq * hd, hkv * hd, hkv * hd], dim=1)                # views of one [N, .]
             k_cache, v_cache = pool.layer(i)          # the model's dtype, bfloat16 or int8
             q_rot = fused.rope_store_into(q, k, v, cos, sin, k_cache, v_cache,
-                                          meta.slot_mapping, torch.empty(n, hq, hd, dtype=dt))
-            out = torch.empty_like(q_rot)
+                                          meta.slot_mapping, new("q_rot", hq * hd).view(n, hq, hd))
+            out = new("attention", hq * hd).view(n, hq, hd)
             if meta.direct.numel():
                 attention.attend_in_place(q_rot, k_cache, v_cache, meta.block_tables,
                                           meta.seq_lens, meta.cu_seqlens_q, meta.direct, out,
                                           row_bits=meta.row_bits, mask_from=meta.mask_from)
             if meta.groups or meta.singles:    # wide tree masks: SDPA in padded groups
                 attend_groups_and_singles(q_rot, None, None, k_cache, v_cache, meta, out)
-            delta = o(out.view(n, -1))
-            gate, up = gate_up(norm(delta, layer.ffn_norm)).chunk(2, dim=1)
-            delta = down(fused.silu_mul_into(gate, up, torch.empty(n, gate.shape[1], dtype=dt)))
+            delta = matmul(o, out.view(n, -1), "o")
+            gate, up = matmul(gate_up, norm(delta, layer.ffn_norm), "gate_up").chunk(2, dim=1)
+            delta = matmul(down, fused.silu_mul_into(gate, up, new("act", gate.shape[1])), "down")
             if after_layer is not None:
                 after_layer(i)
             if i in keep:
                 x.add_(delta)
                 delta, kept[i] = None, x.clone()
-        return norm(delta, model.norm), kept
+        return norm(delta, model.norm, "final"), kept
 

@@ -322,11 +322,18 @@ class QuantGroup:
             and all(lin.q.device.type == "cpu" if isinstance(lin, Int8Linear)
                     else lin.packed.device.type == "cpu" for lin in linears)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def one_call(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether x [rows, K] of ``dtype`` (rows contiguous) is one integer-kernel call, all
+        C++ (what a recorded decode step replays: :mod:`minillm.engine.cpu_replay`)."""
+        return _use_int_kernel(torch.empty(rows, self.weight.k, dtype=dtype), self.kind)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N], written into ``out`` [M, N] when given."""
         if _use_int_kernel(x, self.kind) and x.stride(-1) == 1:
-            return self.weight(x)
+            return self.weight(x, out)
         ys = [lin(x) for lin in self.linears]
-        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return y if out is None else out.copy_(y)
 
 
 # The engine's CPU fast path runs a group of these linears as one QuantGroup call (it finds the

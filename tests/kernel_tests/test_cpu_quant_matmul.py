@@ -185,7 +185,7 @@ def test_engine_fast_path_runs_quantized_weights_as_eager_does(monkeypatch):
     calls = []
     real = qmm.BoundWeight.__call__
     monkeypatch.setattr(qmm.BoundWeight, "__call__",
-                        lambda self, x: calls.append(self.name) or real(self, x))
+                        lambda self, x, out=None: calls.append(self.name) or real(self, x, out))
 
     def greedy(fuse: bool):
         engine = LLMEngine(model, tok, EngineConfig(attention_backend="cpu"))
