@@ -11,7 +11,7 @@ static const int QK = 32, CHUNK = 16;
 static const int TILE = 4;                        // activation rows per pass over a weight row
 static const int64_t PARALLEL_MACS = 1 << 16;     // below this one thread is faster
 
-// The layout (weights, and the quantized activations): a row's blocks of 32 go in chunks of
+// The int8 layout (weights, and the activations they meet): a row's blocks of 32 go in chunks of
 // CHUNK blocks (fewer in the last one); a chunk of c blocks is 8 vectors of c lanes of 4 bytes,
 // vector t lane l holding elements 4t..4t+3 of the chunk's block l. So an integer multiply-add
 // of vector t adds into lane l a part of block l's dot product only, and after the 8 vectors
@@ -25,9 +25,10 @@ static inline int64_t lay(int64_t b, int64_t e, int64_t nb) {
 // x [m, k] (row stride ldx) -> qx [m, k] int8 in the layout, d [m, k/32] (block scales),
 // ds [m, k/32] (d * sum of the block's codes): q = round(x * (1 / d)) with d = max|x| / 127,
 // as quantize_activations in Python computes it.
+// laid false: each row's values in their own order instead (the int4 kernel's).
 template <typename T>
 static void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int8_t* qx, float* d,
-                          float* ds) {
+                          float* ds, bool laid) {
     const int64_t nb = k / QK;
     for (int64_t r = 0; r < m; ++r)
         for (int64_t b = 0; b < nb; ++b) {
@@ -46,8 +47,12 @@ static void quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int8_t*
                 q[i] = (int8_t)e; sum += (int)e;
             }
             const int64_t b0 = b / CHUNK * CHUNK, vec = 4 * (nb - b0 < CHUNK ? nb - b0 : CHUNK);
-            int8_t* out = qx + r * k + lay(b, 0, nb);      // element 4t + j at t * vec + j
-            for (int t = 0; t < 8; ++t) std::memcpy(out + t * vec, q + 4 * t, 4);
+            if (laid) {
+                int8_t* out = qx + r * k + lay(b, 0, nb);  // element 4t + j at t * vec + j
+                for (int t = 0; t < 8; ++t) std::memcpy(out + t * vec, q + 4 * t, 4);
+            } else {
+                std::memcpy(qx + r * k + b * QK, q, QK);
+            }
             d[r * nb + b] = db; ds[r * nb + b] = db * (float)sum;
         }
 }
@@ -78,95 +83,66 @@ static inline float hsum(__m256 v) {
 #endif
 
 #if defined(__AVX2__)
-// Lanes h..h+7 (those below c) of the chunk of c blocks at block b0, 256 bits at a time: adds
-// f_b * dot_b (+ mn_b * ds_b) of each activation row r into the eight floats of acc[r].
-template <int R, bool INT4>
-static inline void lanes8(const uint8_t* wc, const float* sc, const float* mn,
-                          const int8_t* qx, const float* d, const float* ds, int64_t k,
+// Lanes h..h+7 (those below c) of the chunk of c int8 blocks at block b0, 256 bits at a time:
+// adds d_b * dot_b of each activation row r into the eight floats of acc[r].
+template <int R>
+static inline void lanes8(const uint8_t* wc, const int8_t* qx, const float* d, int64_t k,
                           int64_t b0, int64_t c, int64_t h, __m256* acc) {
     const int64_t nb = k / QK, vec = 4 * c, n = c - h < 8 ? c - h : 8;
-    const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n),
                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     auto load = [&](const void* p) { return _mm256_maskload_epi32((const int*)p + h, m); };
     __m256i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
     for (int t = 0; t < 8; ++t) {
-        const __m256i v = load(wc + (INT4 ? t % 4 : t) * vec);
-        const __m256i u = !INT4 ? _mm256_sign_epi8(v, v)                 // |w|, sign onto q
-                          : t < 4 ? _mm256_and_si256(v, low)
-                                  : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        const __m256i v = load(wc + t * vec);
+        const __m256i u = _mm256_sign_epi8(v, v);                        // |w|, sign onto q
         for (int r = 0; r < R; ++r) {
             const __m256i a = load(qx + r * k + b0 * QK + t * vec);
-            dot[r] = madd(dot[r], u, INT4 ? a : _mm256_sign_epi8(a, v));
+            dot[r] = madd(dot[r], u, _mm256_sign_epi8(a, v));
         }
     }
-    const __m256 s = INT4 ? _mm256_maskload_ps(sc + b0 + h, m) : _mm256_set1_ps(1.0f);
-    for (int r = 0; r < R; ++r) {
-        const __m256 f = _mm256_mul_ps(s, _mm256_maskload_ps(d + r * nb + b0 + h, m));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), f, acc[r]);
-        if (INT4) acc[r] = _mm256_fmadd_ps(_mm256_maskload_ps(mn + b0 + h, m),
-                                           _mm256_maskload_ps(ds + r * nb + b0 + h, m), acc[r]);
-    }
+    for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]),
+                                 _mm256_maskload_ps(d + r * nb + b0 + h, m), acc[r]);
 }
 #endif
 
 #if defined(WIDE)
-// The chunk of c (9..16) blocks at b0 in 512-bit registers, into the 16 floats of acc[r].
-template <int R, bool INT4>
-static inline void lanes16(const uint8_t* wc, const float* sc, const float* mn,
-                           const int8_t* qx, const float* d, const float* ds, int64_t k,
+// The chunk of c (9..16) int8 blocks at b0 in 512-bit registers, into the 16 floats of acc[r].
+template <int R>
+static inline void lanes16(const uint8_t* wc, const int8_t* qx, const float* d, int64_t k,
                            int64_t b0, int64_t c, __m512* acc) {
     const int64_t nb = k / QK, vec = 4 * c;
     const __mmask64 bytes = c == CHUNK ? ~0ULL : (1ULL << vec) - 1;
     const __mmask16 lanes = (__mmask16)((1u << c) - 1u);
-    const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    const __m512i zero = _mm512_setzero_si512();
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = zero;
-    if (INT4) {
-        for (int u = 0; u < 4; ++u) {                      // vector u: codes of t = u, u + 4
-            const __m512i v = _mm512_maskz_loadu_epi8(bytes, wc + u * vec);
-            const __m512i lo = _mm512_and_si512(v, low);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            for (int r = 0; r < R; ++r) {
-                const int8_t* a = qx + r * k + b0 * QK;
-                dot[r] = madd(dot[r], lo, _mm512_maskz_loadu_epi8(bytes, a + u * vec));
-                dot[r] = madd(dot[r], hi, _mm512_maskz_loadu_epi8(bytes, a + (u + 4) * vec));
-            }
-        }
-    } else {
-        for (int t = 0; t < 8; ++t) {                      // |w|, and w's sign moved onto q
-            const __m512i v = _mm512_maskz_loadu_epi8(bytes, wc + t * vec);
-            const __m512i u = _mm512_abs_epi8(v);
-            const __mmask64 neg = _mm512_movepi8_mask(v);
-            for (int r = 0; r < R; ++r) {
-                const __m512i a = _mm512_maskz_loadu_epi8(bytes, qx + r * k + b0 * QK + t * vec);
-                dot[r] = madd(dot[r], u, _mm512_mask_sub_epi8(a, neg, zero, a));
-            }
+    for (int t = 0; t < 8; ++t) {                          // |w|, and w's sign moved onto q
+        const __m512i v = _mm512_maskz_loadu_epi8(bytes, wc + t * vec);
+        const __m512i u = _mm512_abs_epi8(v);
+        const __mmask64 neg = _mm512_movepi8_mask(v);
+        for (int r = 0; r < R; ++r) {
+            const __m512i a = _mm512_maskz_loadu_epi8(bytes, qx + r * k + b0 * QK + t * vec);
+            dot[r] = madd(dot[r], u, _mm512_mask_sub_epi8(a, neg, zero, a));
         }
     }
-    const __m512 s = INT4 ? _mm512_maskz_loadu_ps(lanes, sc + b0) : _mm512_set1_ps(1.0f);
-    for (int r = 0; r < R; ++r) {
-        const __m512 f = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(lanes, d + r * nb + b0));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), f, acc[r]);
-        if (INT4) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, mn + b0),
-                                           _mm512_maskz_loadu_ps(lanes, ds + r * nb + b0),
-                                           acc[r]);
-    }
+    for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
+                                 _mm512_maskz_loadu_ps(lanes, d + r * nb + b0), acc[r]);
 }
 #endif
 
-// One weight row against R activation rows (qx, d, ds: the rows' quantized values, block
-// scales and scaled code sums): out[r] = sum_b f_b * dot_b (+ sum_b mn_b * ds_b for int4),
-// f_b = sc_b * d_b for INT4 (packed codes, per-block scale sc and minimum mn), d_b for int8
-// (signed weights; the channel scale is applied by the caller). A chunk of up to 8 blocks
-// goes through 256-bit registers even where 512-bit ones exist (which some CPUs, AMD's Zen 4,
-// run at half the rate: a short chunk would pay for 16 lanes).
-template <int R, bool INT4>
-static inline void weight_row(const uint8_t* w, const float* sc, const float* mn,
-                              const int8_t* qx, const float* d, const float* ds, int64_t k,
-                              float* out) {
-    const int64_t nb = k / QK, chunk_bytes = INT4 ? QK / 2 : QK;
+// One int8 weight row against R activation rows (qx, d: the rows' quantized values and block
+// scales, in the layout): out[r] = sum_b d_b * dot_b (the channel scale is applied by the
+// caller). A chunk of up to 8 blocks goes through 256-bit registers even where 512-bit ones
+// exist (which some CPUs, AMD's Zen 4, run at half the rate: a short chunk would pay for 16
+// lanes).
+template <int R>
+static inline void int8_row(const uint8_t* w, const int8_t* qx, const float* d, int64_t k,
+                            float* out) {
+    const int64_t nb = k / QK;
 #if defined(__AVX2__)
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -176,11 +152,11 @@ static inline void weight_row(const uint8_t* w, const float* sc, const float* mn
 #endif
     for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {
         const int64_t c = nb - b0 < CHUNK ? nb - b0 : CHUNK;
-        const uint8_t* wc = w + b0 * chunk_bytes;
+        const uint8_t* wc = w + b0 * QK;
 #if defined(WIDE)
-        if (c > 8) { lanes16<R, INT4>(wc, sc, mn, qx, d, ds, k, b0, c, wide); continue; }
+        if (c > 8) { lanes16<R>(wc, qx, d, k, b0, c, wide); continue; }
 #endif
-        for (int64_t h = 0; h < c; h += 8) lanes8<R, INT4>(wc, sc, mn, qx, d, ds, k, b0, c, h, acc);
+        for (int64_t h = 0; h < c; h += 8) lanes8<R>(wc, qx, d, k, b0, c, h, acc);
     }
     for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 #if defined(WIDE)
@@ -193,22 +169,132 @@ static inline void weight_row(const uint8_t* w, const float* sc, const float* mn
             int dot = 0;
             for (int e = 0; e < QK; ++e) {
                 const int64_t at = lay(b, e, nb);
-                int wv;
-                if (INT4) {                                // nibble t / 4 of byte (t % 4, lane)
-                    const int64_t b0 = b / CHUNK * CHUNK, c = nb - b0 < CHUNK ? nb - b0 : CHUNK;
-                    const uint8_t byte =
-                        w[b0 * QK / 2 + (e / 4 % 4) * c * 4 + (b - b0) * 4 + e % 4];
-                    wv = e / 4 < 4 ? byte & 15 : byte >> 4;
-                } else {
-                    wv = (int8_t)w[at];
-                }
-                dot += wv * qx[r * k + at];
+                dot += (int8_t)w[at] * qx[r * k + at];
             }
-            total += INT4 ? sc[b] * d[r * nb + b] * (float)dot + mn[b] * ds[r * nb + b]
-                          : d[r * nb + b] * (float)dot;
+            total += d[r * nb + b] * (float)dot;
         }
         out[r] = total;
     }
+#endif
+}
+
+// ---------------------------------------------------------------- int4: rows in groups of 16
+// The int4 layout: weight rows in groups of ROWS = 16; block b (32 codes) of a group's 16 rows
+// is 256 bytes, four vectors u = 0..3 of 16 lanes (one per row) of 4 bytes: lane l byte i holds
+// row l's element 4u + i in its low nibble and element 16 + 4u + i in its high one. So a mask,
+// a shift and eight integer multiply-adds against four broadcast bytes of the activation block
+// leave the 16 rows' dot products in the 16 lanes: every lane is one output, every register
+// full, whatever K is, and no horizontal sums. scale and mn: float32 [groups, nb, 16].
+static const int ROWS = 16;
+
+static inline int32_t word(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+
+// The group scales and minima are float32, or float16 (S = uint16_t: its bits) where they are
+// exactly float16 numbers (a quarter of the int4 bytes fewer to read).
+static inline float scalar(float v) { return v; }
+static inline float scalar(uint16_t h) {           // float16 -> float32, exactly
+    const int exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    const float f = exp == 0 ? std::ldexp((float)man, -24)
+                  : exp == 31 ? (man ? NAN : INFINITY) : std::ldexp((float)(1024 + man), exp - 25);
+    return h & 0x8000 ? -f : f;
+}
+#if defined(WIDE)
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+#elif defined(__AVX2__)
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+    return _mm256_setr_ps(scalar(p[0]), scalar(p[1]), scalar(p[2]), scalar(p[3]),
+                          scalar(p[4]), scalar(p[5]), scalar(p[6]), scalar(p[7]));
+#endif
+}
+#endif
+
+// out[r][l] = row l of the group . activation row r (qx, d, ds natural order, k values each):
+// sum_b d_b * (sc_lb * (codes_lb . q_b) + mn_lb * sum(q_b)) with ds_b = d_b * sum(q_b)
+template <int R, typename S>
+static inline void int4_group(const uint8_t* w, const S* sc, const S* mn,
+                              const int8_t* qx, const float* d, const float* ds, int64_t k,
+                              float (*out)[ROWS]) {
+    const int64_t nb = k / QK;
+#if defined(WIDE)
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* wb = w + b * ROWS * QK / 2;
+        __m512i lo[4], hi[4];
+        for (int u = 0; u < 4; ++u) {
+            const __m512i v = _mm512_loadu_si512(wb + 64 * u);
+            lo[u] = _mm512_and_si512(v, low);
+            hi[u] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        const __m512 s = load16(sc + b * ROWS), m = load16(mn + b * ROWS);
+        for (int r = 0; r < R; ++r) {
+            const int8_t* a = qx + r * k + b * QK;
+            __m512i dot = _mm512_setzero_si512();
+            for (int u = 0; u < 4; ++u) {
+                dot = madd(dot, lo[u], _mm512_set1_epi32(word(a + 4 * u)));
+                dot = madd(dot, hi[u], _mm512_set1_epi32(word(a + 16 + 4 * u)));
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                     _mm512_mul_ps(s, _mm512_set1_ps(d[r * nb + b])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(ds[r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+#elif defined(__AVX2__)
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int half = 0; half < 2; ++half) {                // rows 0..7, then 8..15
+        __m256 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* wb = w + b * ROWS * QK / 2 + 32 * half;
+            __m256i lo[4], hi[4];
+            for (int u = 0; u < 4; ++u) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + 64 * u));
+                lo[u] = _mm256_and_si256(v, low);
+                hi[u] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            const __m256 s = load8(sc + b * ROWS + 8 * half);
+            const __m256 m = load8(mn + b * ROWS + 8 * half);
+            for (int r = 0; r < R; ++r) {
+                const int8_t* a = qx + r * k + b * QK;
+                __m256i dot = _mm256_setzero_si256();
+                for (int u = 0; u < 4; ++u) {
+                    dot = madd(dot, lo[u], _mm256_set1_epi32(word(a + 4 * u)));
+                    dot = madd(dot, hi[u], _mm256_set1_epi32(word(a + 16 + 4 * u)));
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                         _mm256_mul_ps(s, _mm256_set1_ps(d[r * nb + b])), acc[r]);
+                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(ds[r * nb + b]), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(out[r] + 8 * half, acc[r]);
+    }
+#else
+    for (int r = 0; r < R; ++r)
+        for (int l = 0; l < ROWS; ++l) {
+            float total = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t* wb = w + b * ROWS * QK / 2;
+                const int8_t* a = qx + r * k + b * QK;
+                int dot = 0;
+                for (int u = 0; u < 4; ++u)
+                    for (int i = 0; i < 4; ++i) {
+                        const uint8_t byte = wb[64 * u + 4 * l + i];
+                        dot += (byte & 15) * a[4 * u + i] + (byte >> 4) * a[16 + 4 * u + i];
+                    }
+                total += scalar(sc[b * ROWS + l]) * d[r * nb + b] * (float)dot
+                       + scalar(mn[b * ROWS + l]) * ds[r * nb + b];
+            }
+            out[r][l] = total;
+        }
 #endif
 }
 
@@ -216,35 +302,49 @@ struct Quantized {                  // the activation rows, quantized once per c
     std::vector<int8_t> qx; std::vector<float> d, ds;
 };
 
-// y [m, n] (row stride ldy) = x [m, k] W^T, W [n, k]: int8 (w [n, k], scale [n]: W = scale * w)
-// or int4 (w [n, k / 2] packed codes, scale and mn [n, k / 32]: W = code * scale + mn), both
-// in the layout
-template <typename T, bool INT4>
-static void quant_matmul(const T* x, int64_t ldx, const void* w, const float* scale,
-                         const float* mn, T* y, int64_t ldy, int64_t m, int64_t n, int64_t k) {
+// y [m, n] (row stride ldy) = x [m, k] W^T, W [n, k]: int8 (w [n, k] in the chunk layout,
+// scale [n]: W = scale * w) or int4 (w: packed codes in the row-group layout, n a multiple of
+// 16; scale and mn [n / 16, k / 32, 16] of S: W = code * scale + mn)
+template <typename T, bool INT4, typename S = float>
+static void quant_matmul(const T* x, int64_t ldx, const void* w, const S* scale,
+                         const S* mn, T* y, int64_t ldy, int64_t m, int64_t n, int64_t k) {
     static thread_local Quantized a;
-    const int64_t nb = k / QK, row_bytes = INT4 ? k / 2 : k;
+    const int64_t nb = k / QK;
     a.qx.resize(m * k); a.d.resize(m * nb); a.ds.resize(m * nb);
-    quantize_rows(x, ldx, m, k, a.qx.data(), a.d.data(), a.ds.data());
+    quantize_rows(x, ldx, m, k, a.qx.data(), a.d.data(), a.ds.data(), !INT4);
     const int8_t* qx = a.qx.data();           // (a is this thread's: OpenMP's see theirs)
     const float *dx = a.d.data(), *dsx = a.ds.data();
+    const int64_t units = INT4 ? n / ROWS : n;  // weight rows, or groups of 16 of them
     #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MACS)
-    for (int64_t j = 0; j < n; ++j) {
-        const uint8_t* wj = (const uint8_t*)w + j * row_bytes;
-        const float *sj = INT4 ? scale + j * nb : nullptr, *mj = INT4 ? mn + j * nb : nullptr;
-        float out[TILE];
+    for (int64_t j = 0; j < units; ++j) {
         for (int64_t r0 = 0; r0 < m; r0 += TILE) {
             const int8_t* q = qx + r0 * k;
             const float *d = dx + r0 * nb, *ds = dsx + r0 * nb;
             const int64_t rows = m - r0 < TILE ? m - r0 : TILE;
-            switch (rows) {
-                case 4: weight_row<4, INT4>(wj, sj, mj, q, d, ds, k, out); break;
-                case 3: weight_row<3, INT4>(wj, sj, mj, q, d, ds, k, out); break;
-                case 2: weight_row<2, INT4>(wj, sj, mj, q, d, ds, k, out); break;
-                default: weight_row<1, INT4>(wj, sj, mj, q, d, ds, k, out);
+            if (INT4) {
+                const uint8_t* wj = (const uint8_t*)w + j * nb * ROWS * QK / 2;
+                const S *sj = scale + j * nb * ROWS, *mj = mn + j * nb * ROWS;
+                float out[TILE][ROWS];
+                switch (rows) {
+                    case 4: int4_group<4>(wj, sj, mj, q, d, ds, k, out); break;
+                    case 3: int4_group<3>(wj, sj, mj, q, d, ds, k, out); break;
+                    case 2: int4_group<2>(wj, sj, mj, q, d, ds, k, out); break;
+                    default: int4_group<1>(wj, sj, mj, q, d, ds, k, out);
+                }
+                for (int64_t r = 0; r < rows; ++r)
+                    for (int l = 0; l < ROWS; ++l) narrow(out[r][l], y + (r0 + r) * ldy + j * ROWS + l);
+            } else {
+                const uint8_t* wj = (const uint8_t*)w + j * k;
+                float out[TILE];
+                switch (rows) {
+                    case 4: int8_row<4>(wj, q, d, k, out); break;
+                    case 3: int8_row<3>(wj, q, d, k, out); break;
+                    case 2: int8_row<2>(wj, q, d, k, out); break;
+                    default: int8_row<1>(wj, q, d, k, out);
+                }
+                for (int64_t r = 0; r < rows; ++r)
+                    narrow(out[r] * scalar(scale[j]), y + (r0 + r) * ldy + j);
             }
-            for (int64_t r = 0; r < rows; ++r)
-                narrow(INT4 ? out[r] : out[r] * scale[j], y + (r0 + r) * ldy + j);
         }
     }
 }
@@ -253,12 +353,17 @@ static void quant_matmul(const T* x, int64_t ldx, const void* w, const float* sc
 extern "C" void int8_matmul_##NAME(const void* x, int64_t ldx, const void* w,                \
                                    const float* scale, void* y, int64_t ldy, int64_t m,      \
                                    int64_t n, int64_t k) {                                   \
-    quant_matmul<T, false>((const T*)x, ldx, w, scale, nullptr, (T*)y, ldy, m, n, k);        \
+    quant_matmul<T, false, float>((const T*)x, ldx, w, scale, nullptr, (T*)y, ldy, m, n, k); \
 }                                                                                             \
 extern "C" void int4_matmul_##NAME(const void* x, int64_t ldx, const void* w,                \
                                    const float* scale, const float* mn, void* y,             \
                                    int64_t ldy, int64_t m, int64_t n, int64_t k) {           \
-    quant_matmul<T, true>((const T*)x, ldx, w, scale, mn, (T*)y, ldy, m, n, k);              \
+    quant_matmul<T, true, float>((const T*)x, ldx, w, scale, mn, (T*)y, ldy, m, n, k);       \
+}                                                                                             \
+extern "C" void int4h_matmul_##NAME(const void* x, int64_t ldx, const void* w,               \
+                                    const uint16_t* scale, const uint16_t* mn, void* y,      \
+                                    int64_t ldy, int64_t m, int64_t n, int64_t k) {          \
+    quant_matmul<T, true, uint16_t>((const T*)x, ldx, w, scale, mn, (T*)y, ldy, m, n, k);    \
 }
 ENTRIES(f32, float)
 ENTRIES(bf16, uint16_t)

@@ -16,16 +16,21 @@ arithmetic for minillm's formats (:mod:`minillm.quant.formats`):
 The integer dot products are exact; the rounding of x to 8 bits per block is the only
 approximation beyond the weights' own (relative error about 1/254 of a block's largest value).
 
-The weights are laid out once (:func:`pack_int8`, :func:`pack_int4`) so that a 512-bit register
-holds one piece of sixteen blocks side by side: 4 bytes of each block in its own 32-bit lane.
-Eight integer multiply-adds then leave sixteen blocks' dot products in sixteen lanes, which
-one multiply by the blocks' scales finishes, with no horizontal sums and no shuffles (the
-activations are written in the same layout as they are quantized). An int4 byte holds a code
-of the first four of those eight pieces in its low nibble and one of the last four in its high
-nibble, so a mask and a shift unpack 128 codes. Rows of the output (weight rows) are shared by
+The weights are laid out once (:func:`pack_int8`, :func:`pack_int4`) so that the integer
+multiply-adds leave finished dot products in the lanes of a register, with no horizontal sums
+and no shuffles. int8: a 512-bit register holds one piece of sixteen blocks of a row side by
+side, 4 bytes of each block in its own 32-bit lane, and the activations are written in the same
+layout as they are quantized; eight multiply-adds leave sixteen blocks' dot products in sixteen
+lanes, one multiply by the blocks' scales finishes them. int4: a register holds 4 bytes of the
+same block of sixteen weight rows, one row a lane, and meets 4 activation bytes broadcast to
+every lane; each byte holds two codes (low nibble, high nibble), so a mask and a shift unpack
+128 codes, eight multiply-adds leave the sixteen rows' dot products for the block, and the
+lanes are the outputs: every register full whatever K is (K = 576 has 18 blocks, which the
+int8 layout splits 16 + 2). Rows of the output (weight rows, or groups of 16) are shared by
 OpenMP threads; a tile of up to four activation rows uses each unpacked weight vector four
-times. With AVX2 only, 256-bit registers do half a chunk at a time, and without AVX-VNNI
-``vpmaddubsw`` + ``vpmaddwd`` compute the same dot products; on other CPUs plain loops do.
+times. With AVX2 only, 256-bit registers do half a chunk (eight rows) at a time, and without
+AVX-VNNI ``vpmaddubsw`` + ``vpmaddwd`` compute the same dot products; on other CPUs plain
+loops do.
 The C++ is ``cpu_quant_matmul.cpp`` beside this file, compiled by :mod:`.cpu_build` after its
 shared ``SCALARS``; :func:`quantize_activations` and :func:`reference_matmul` are the
 plain-torch statement of what the C++ computes
@@ -42,7 +47,8 @@ import torch
 from .cpu_build import SCALARS, Library, profiled_call
 
 BLOCK = 32          # activation values sharing one scale; a multiple of it divides K
-CHUNK = 16          # blocks whose dot products one 512-bit register holds side by side
+CHUNK = 16          # int8: blocks whose dot products one 512-bit register holds side by side
+ROWS = 16           # int4: weight rows whose dot products one 512-bit register holds
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 SOURCE_FILE = Path(__file__).with_name("cpu_quant_matmul.cpp")   # the C++, after SCALARS
@@ -50,7 +56,8 @@ SOURCE = SCALARS + SOURCE_FILE.read_text()
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {"int8_matmul": [_P, _I, _P, _P, _P, _I, _I, _I, _I],
-              "int4_matmul": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I]}
+              "int4_matmul": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I],
+              "int4h_matmul": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I]}   # float16 scales
 LIBRARY = Library("quant_matmul", SOURCE, {f"{op}_{dt}": args for op, args in SIGNATURES.items()
                                            for dt in DTYPES.values()}, source_file=SOURCE_FILE)
 
@@ -95,34 +102,42 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 
 def pack_int4(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """minillm's int4 weight (codes [N, K] in 0..15, scale and mn [N, K / group_size]) -> the
-    kernel's operands: packed [N, K / 2] uint8 (a chunk's vectors t = 0..3 of the layout in
-    the low nibbles, t = 4..7 in the high ones) and scale, mn float32 [N, K / 32] (each
-    group's repeated per block)."""
+    """minillm's int4 weight (codes [N, K] in 0..15, N a multiple of :data:`ROWS`, scale and
+    mn [N, K / group_size]) -> the kernel's operands, rows in groups of 16: packed [N, K / 2]
+    uint8, whose bytes are, group after group, block b's four vectors u of 16 lanes (one a
+    row) of 4 bytes, byte i of lane l holding row l's element 4u + i of the block in its low
+    nibble and element 16 + 4u + i in its high one; scale and mn [N, K / 32], in the order
+    [N / 16, K / 32, 16] (each group's value repeated per block): float16 where every scale
+    and minimum is exactly a float16 number (as GGUF's Q4_1 and minillm's round-to-nearest
+    int4 keep them), else float32."""
     n, k = codes.shape
     _check_k(k)
+    if n % ROWS:
+        raise ValueError(f"out_features must be a multiple of {ROWS} for the int4 kernel, "
+                         f"got {n}")
     if group_size <= 0 or group_size % BLOCK or k % group_size \
             or tuple(scale.shape) != (n, k // group_size) or scale.shape != mn.shape:
         raise ValueError(f"group_size must be a multiple of {BLOCK} dividing in_features={k} "
                          f"and scale, mn [{n}, {k} / group_size]; got group_size={group_size}, "
                          f"scale {tuple(scale.shape)}, mn {tuple(mn.shape)}")
-    laid = codes.to(torch.uint8)[:, layout_index(k)].split([c * BLOCK for c in _chunks(k)], 1)
-    packed = torch.cat([((v := part.reshape(n, 8, -1))[:, :4] | (v[:, 4:] << 4)).reshape(n, -1)
-                        for part in laid], 1).contiguous()
-    per_block = group_size // BLOCK
-    return (packed, scale.float().repeat_interleave(per_block, 1).contiguous(),
-            mn.float().repeat_interleave(per_block, 1).contiguous())
+    nb = k // BLOCK
+    c = codes.to(torch.uint8).reshape(n // ROWS, ROWS, nb, 2, 4, 4)  # [G, l, b, high, u, i]
+    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)   # [G, b, u, l, i]
+
+    exact = all(torch.equal(t.float().half().float(), t.float()) for t in (scale, mn))
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(torch.float16 if exact else torch.float32).repeat_interleave(
+            group_size // BLOCK, 1)                                        # [N, nb]
+        return t.reshape(n // ROWS, ROWS, nb).transpose(1, 2).reshape(n, nb).contiguous()
+    return packed.reshape(n, k // 2).contiguous(), per_block(scale), per_block(mn)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The codes of :func:`pack_int4`'s packed tensor: [N, K / 2] uint8 -> [N, K] uint8."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    parts = packed.split([c * BLOCK // 2 for c in _chunks(k)], 1)
-    laid = torch.cat([torch.cat([(p := part.reshape(n, 4, -1)) & 0x0F, p >> 4], 1).reshape(n, -1)
-                      for part in parts], 1)
-    codes = torch.empty_like(laid)
-    codes[:, layout_index(k)] = laid
-    return codes
+    p = packed.reshape(n // ROWS, k // BLOCK, 4, ROWS, 4).permute(0, 3, 1, 2, 4)  # [G,l,b,u,i]
+    return torch.stack([p & 0x0F, p >> 4], 3).reshape(n, k)
 
 
 # ---------------------------------------------------------------- the calls
@@ -142,7 +157,9 @@ class BoundWeight:
         self.pointers = [t.data_ptr() for t in operands]
         if (lib := LIBRARY.get()) is None:
             raise RuntimeError(f"the CPU quantized matmul is unavailable: {unavailable_reason()}")
-        self.functions = {dt: getattr(lib, f"{self.name}_{sfx}") for dt, sfx in DTYPES.items()}
+        half = int4 and operands[1].dtype == torch.float16
+        self.functions = {dt: getattr(lib, f"{'int4h_matmul' if half else self.name}_{sfx}")
+                          for dt, sfx in DTYPES.items()}
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> y [M, N], written into ``out`` when given (x's dtype, rows contiguous)."""
@@ -189,13 +206,16 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor
                 ) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16, rows contiguous), packed uint8 [N, K / 2], scale and mn
-    float32 [N, K / 32] (:func:`pack_int4`) -> y [M, N] in x's dtype."""
+    float32 or both float16 [N, K / 32] (:func:`pack_int4`) -> y [M, N] in x's dtype."""
     n, k = packed.shape[0], packed.shape[1] * 2
     _check_k(k)
     _check_x(x, k)
     _check_weight("packed", packed, (n, k // 2), torch.uint8)
     for name, t in (("scale", scale), ("mn", mn)):
-        _check_weight(name, t, (n, k // BLOCK), torch.float32)
+        _check_weight(name, t, (n, k // BLOCK), scale.dtype if scale.dtype in (
+            torch.float16, torch.float32) else torch.float32)
+    if n % ROWS:
+        raise ValueError(f"packed must have a multiple of {ROWS} rows, got {n}")
     return BoundWeight(packed, scale, mn)(x)
 
 

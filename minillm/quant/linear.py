@@ -91,11 +91,17 @@ int4_matmul_op.register_fake(lambda x, packed, scale, mn: x.new_empty(x.shape[0]
                                                                         packed.shape[0]))
 
 
+def _kernel_shape(layer: nn.Module) -> bool:
+    """Whether the integer kernels take the layer's weight: in_features a multiple of 32, and
+    for int4 out_features a multiple of the kernel's 16 rows."""
+    return layer.in_features % 32 == 0 \
+        and (isinstance(layer, Int8Linear) or layer.out_features % 16 == 0)
+
+
 def _prepare_kernel(layer: Int8Linear | Int4Linear) -> None:
     """Lay a new CPU layer's weight out for the integer kernels now (a second copy of its
     bytes), so a torch.compile trace finds it ready; elsewhere it waits for a first call."""
-    if layer.scale.device.type == "cpu" and layer.in_features % 32 == 0 \
-            and _qmm().available():
+    if layer.scale.device.type == "cpu" and _kernel_shape(layer) and _qmm().available():
         layer.kernel_operands()
 
 
@@ -103,8 +109,8 @@ def _use_kernel(layer: Int8Linear | Int4Linear, h: torch.Tensor) -> bool:
     """Whether h goes to the integer kernels: a few CPU rows (:func:`_use_int_kernel`), and
     while torch.compile traces, a layout already made (building one is not traceable)."""
     kind = "int8" if isinstance(layer, Int8Linear) else "int4"
-    return _use_int_kernel(h, kind) and not (torch.compiler.is_compiling()
-                                             and layer._bound is None)
+    return _use_int_kernel(h, kind) and _kernel_shape(layer) \
+        and not (torch.compiler.is_compiling() and layer._bound is None)
 
 
 def _kernel_forward(layer: Int8Linear | Int4Linear, h: torch.Tensor) -> torch.Tensor:
@@ -305,7 +311,8 @@ class QuantGroup:
     def __init__(self, linears: list[nn.Module]) -> None:
         if not self.supports(linears):
             raise ValueError("linears must be all Int8Linear or all Int4Linear without "
-                             "in_scale, with in_features a multiple of 32")
+                             "in_scale, with in_features a multiple of 32 (int4: out_features "
+                             "a multiple of 16)")
         self.linears = linears
         self.kind = "int8" if isinstance(linears[0], Int8Linear) else "int4"
         ops = [lin.kernel_operands() for lin in linears]
@@ -317,7 +324,7 @@ class QuantGroup:
         kinds = {type(lin) for lin in linears}
         return len(kinds) == 1 and kinds <= {Int8Linear, Int4Linear} \
             and len({lin.in_features for lin in linears}) == 1 \
-            and linears[0].in_features % 32 == 0 \
+            and all(_kernel_shape(lin) for lin in linears) \
             and all(getattr(lin, "in_scale", None) is None for lin in linears) \
             and all(lin.q.device.type == "cpu" if isinstance(lin, Int8Linear)
                     else lin.packed.device.type == "cpu" for lin in linears)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from . import ggml_blocks
-from .formats import check_group_size, quantize_int4
+from .formats import check_group_size, int4_params, quantize_int4_with
 from .linear import DequantizedLinear, Int4Linear, Int8Linear
 from .methods import awq_quantize, gptq_quantize, hqq_quantize
 
@@ -91,6 +91,18 @@ def layer_inputs(model: nn.Module, layer: int, ids: torch.Tensor,
     return seen
 
 
+def rtn_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest int4 (:func:`~.formats.quantize_int4`) with each group's scale and
+    minimum rounded to float16 numbers first, as GGUF's Q4_1 stores them: the CPU kernel then
+    reads them in half the bytes (a quarter of the int4 weight's), and the codes are rounded
+    against the values kept. Weights beyond float16's range keep float32 parameters."""
+    scale, mn = int4_params(w, group_size)
+    half = scale.half().float().clamp(min=2.0 ** -24), mn.half().float()
+    if all(torch.isfinite(t).all() for t in half):
+        scale, mn = half
+    return quantize_int4_with(w, scale, mn, group_size), scale, mn
+
+
 def quantize_linear(linear: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE,
                     x: torch.Tensor | None = None, name: str = "layer") -> nn.Module:
     """One nn.Linear -> its quantized replacement. ``x`` [T, K]: calibration inputs (GPTQ, AWQ)."""
@@ -104,7 +116,7 @@ def quantize_linear(linear: nn.Module, method: str, group_size: int = DEFAULT_GR
         if method in CALIBRATION_METHODS and x is None:
             raise ValueError(f"{method} needs calibration inputs x for {name}")
         if method == "int4":
-            return Int4Linear(*quantize_int4(w, group_size), group_size).to(dev)
+            return Int4Linear(*rtn_int4(w, group_size), group_size).to(dev)
         if method == "hqq":
             return Int4Linear(*hqq_quantize(w, group_size), group_size).to(dev)
         if method == "gptq":

@@ -12,6 +12,7 @@ from minillm.quant import Int4Linear, Int8Linear, quantize_model
 from minillm.quant import linear as qlinear
 from minillm.quant.formats import dequantize_int4, quantize_int4, quantize_int8
 from minillm.quant.linear import VNNI_KERNEL_ROWS, QuantGroup
+from minillm.quant.quantize import rtn_int4
 
 pytestmark = pytest.mark.skipif(not qmm.available(), reason="the CPU kernels did not build")
 
@@ -37,22 +38,27 @@ def variant(request, monkeypatch):
 
 
 def weights(kind: str, n: int, k: int, group_size: int = 32, seed: int = 1):
-    """(kernel operands, dequantized float32 weight [n, k]) of a random int8 or int4 weight."""
+    """(kernel operands, dequantized float32 weight [n, k]) of a random int8 or int4 weight
+    (int4: n rounded up to a multiple of the kernel's 16 rows; int4h: its scales and minima
+    float16 numbers, which the kernel then reads as float16)."""
     w = randn(n, k, seed=seed) * 0.05
     if kind == "int8":
         q, scale = quantize_int8(w)
         return (qmm.pack_int8(q), scale), q.float() * scale[:, None]
-    codes, scale, mn = quantize_int4(w, group_size)
+    w = randn(-(-n // qmm.ROWS) * qmm.ROWS, k, seed=seed) * 0.05
+    codes, scale, mn = (rtn_int4 if kind == "int4h" else quantize_int4)(w, group_size)
     return qmm.pack_int4(codes, scale, mn, group_size), dequantize_int4(codes, scale, mn,
                                                                          group_size)
 
 
 def matmul(kind, x, operands):
+    if kind != "int8":
+        assert operands[1].dtype == (torch.float16 if kind == "int4h" else torch.float32)
     return (qmm.int8_matmul if kind == "int8" else qmm.int4_matmul)(x, *operands)
 
 
 # rows cover every tile remainder; K one block, an odd count of blocks, chunks of 16 and a tail
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4h"])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 32), (2, 17, 96), (3, 64, 576), (4, 33, 1120),
                                    (5, 8, 512), (9, 24, 1536)])
 def test_kernel_equals_float64_on_the_quantized_input(variant, kind, m, n, k):
@@ -60,7 +66,7 @@ def test_kernel_equals_float64_on_the_quantized_input(variant, kind, m, n, k):
     x = randn(m, k, seed=2) * 3
     y = matmul(kind, x, operands)
     want = qmm.reference_matmul(x, w)
-    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert y.shape == (m, w.shape[0]) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), want, rtol=0, atol=2e-6 * want.abs().max().item())
 
 
@@ -101,9 +107,18 @@ def test_a_wrong_answer_is_caught():
 def test_layout_round_trips(k):
     index = qmm.layout_index(k)
     assert torch.equal(index.sort().values, torch.arange(k))
-    codes = torch.randint(0, 16, (3, k), generator=torch.Generator().manual_seed(k))
-    packed, _, _ = qmm.pack_int4(codes, torch.ones(3, k // 32), torch.zeros(3, k // 32), 32)
-    assert packed.shape == (3, k // 2) and torch.equal(qmm.unpack_int4(packed), codes.byte())
+    codes = torch.randint(0, 16, (32, k), generator=torch.Generator().manual_seed(k))
+    packed, _, _ = qmm.pack_int4(codes, torch.ones(32, k // 32), torch.zeros(32, k // 32), 32)
+    assert packed.shape == (32, k // 2) and torch.equal(qmm.unpack_int4(packed), codes.byte())
+
+
+def test_int4_layout_puts_a_block_of_sixteen_rows_in_four_vectors():
+    """Byte i of lane l of vector u: row l's element 4u + i (low nibble), 16 + 4u + i (high)."""
+    codes = torch.arange(16 * 32).reshape(16, 32) % 16
+    codes[5, 16 + 4 * 2 + 3] = 9
+    packed, _, _ = qmm.pack_int4(codes, torch.ones(16, 1), torch.zeros(16, 1), 32)
+    byte = packed.flatten()[64 * 2 + 4 * 5 + 3]
+    assert byte & 15 == codes[5, 4 * 2 + 3] and byte >> 4 == 9
 
 
 def test_layout_puts_four_bytes_of_each_block_in_a_lane():
@@ -124,8 +139,10 @@ def test_layout_puts_four_bytes_of_each_block_in_a_lane():
                              torch.ones(3)), "scale must be"),
     (lambda: qmm.int4_matmul(torch.ones(1, 64), torch.ones(4, 32, dtype=torch.uint8),
                              torch.ones(4, 1), torch.ones(4, 2)), "scale must be"),
-    (lambda: qmm.pack_int4(torch.ones(4, 64), torch.ones(4, 2), torch.ones(4, 2), 48),
+    (lambda: qmm.pack_int4(torch.ones(16, 64), torch.ones(16, 2), torch.ones(16, 2), 48),
      "group_size must be"),
+    (lambda: qmm.pack_int4(torch.ones(24, 64), torch.ones(24, 2), torch.ones(24, 2), 32),
+     "out_features must be a multiple of 16"),
 ])
 def test_bad_input_names_the_parameter(call, match):
     with pytest.raises(ValueError, match=match):
