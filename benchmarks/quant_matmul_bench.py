@@ -1,6 +1,7 @@
 """minillm's CPU integer matmuls against PyTorch's weight-only ops, by rows, at SmolLM2's shapes.
 
-    python benchmarks/quant_matmul_bench.py [--rows 1 2 4 8 16 32] [--rounds R] [--out FILE.json]
+    python benchmarks/quant_matmul_bench.py [--rows 1 2 4 8 16 32] [--rounds R] [--isa avx2]
+                                            [--out FILE.json]
 
 For each of a SmolLM2 layer's four matmuls (q/k/v and gate/up as one, as the engine runs them:
 960x576, 576x576, 3072x576, 576x1536; random weights) and the int8 output head (49152x576),
@@ -11,22 +12,34 @@ activations), each through the layer class that calls it (``Int8Linear`` / ``Int
 ``KERNEL_ROWS`` moved out of the way). Both take turns ``rounds`` times; the medians of the
 microseconds a call and their ratio are reported, with the CPU model and flags and the load
 average. The ratio by rows is where ``minillm.quant.linear.KERNEL_ROWS`` comes from.
+
+``--isa avx2`` measures an AVX2-only CPU's paths on this one: our kernels built with
+``-mno-avx512f -mno-avxvnni`` (the C++ then takes its AVX2 branch: 256-bit registers,
+``vpmaddubsw`` + ``vpmaddwd`` for the integer dot products) and PyTorch capped at AVX2 (the
+script re-runs itself with ``ATEN_CPU_CAPABILITY=avx2`` and ``ONEDNN_MAX_CPU_ISA=AVX2``, which
+must be set before PyTorch loads); it writes ``quant_matmul_avx2.json``.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
+from minillm.kernels import cpu_build
+from minillm.kernels import cpu_quant_matmul as qmm
 
 from minillm.bench.common import write_json
 from minillm.quant import linear as qlinear
-from minillm.quant.formats import quantize_int4, quantize_int8
+from minillm.quant.formats import quantize_int8
+from minillm.quant.quantize import rtn_int4
 from minillm.runinfo import machine_info
 
 KERNEL_ROWS = dict(qlinear.KERNEL_ROWS)  # the package's choice, restored after each measurement
+if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":   # --isa avx2: that CPU's choice
+    KERNEL_ROWS = dict(qlinear.AVX2_KERNEL_ROWS)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "head": (49152, 576)}
 
@@ -42,7 +55,7 @@ def measure(name: str, kind: str, rows: int, rounds: int) -> dict:
     n, k = SHAPES[name]
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.05
     lin = qlinear.Int8Linear(*quantize_int8(w)) if kind == "int8" else \
-        qlinear.Int4Linear(*quantize_int4(w, 32), 32)
+        qlinear.Int4Linear(*rtn_int4(w, 32), 32)
     x = torch.randn(rows, k, dtype=torch.bfloat16)
     calls = max(3, int(2e8 // (n * k * max(rows, 4))))
     times: dict[str, list[float]] = {"kernel": [], "torch": []}
@@ -66,8 +79,22 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--out", default="benchmarks/results/quant_matmul.json")
+    p.add_argument("--isa", choices=["native", "avx2"], default="native")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/quant_matmul.json, "
+                                               "quant_matmul_avx2.json with --isa avx2")
     args = p.parse_args()
+    args.out = args.out or ("benchmarks/results/quant_matmul" +
+                            ("_avx2" if args.isa == "avx2" else "") + ".json")
+    isa = {"isa": "native"}
+    if args.isa == "avx2":
+        if os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":         # before torch loads
+            env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+            os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        qmm.LIBRARY = cpu_build.Library("quant_matmul_avx2", qmm.SOURCE, qmm.LIBRARY.signatures,
+                                        ("-mno-avx512f", "-mno-avxvnni"), qmm.SOURCE_FILE)
+        isa = {"isa": "avx2", "isa_note": "an AVX2-only CPU's paths on this one: kernels built "
+               "-mno-avx512f -mno-avxvnni, ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2",
+               "aten_capability": torch.backends.cpu.get_cpu_capability()}
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]
     results = [measure(name, kind, rows, args.rounds) for kind in ("int8", "int4")
@@ -75,7 +102,7 @@ def main() -> None:
     write_json({
         "benchmark": "quant_matmul", **machine_info(torch.device("cpu"), args.threads),
         "load_average": [load, os.getloadavg()[0]], "rounds": args.rounds,
-        "kernel_rows": KERNEL_ROWS,
+        "kernel_rows": KERNEL_ROWS, **isa,
         "method": "median microseconds a call through Int8Linear/Int4Linear, bfloat16 "
                   "activations, kernel and torch taking turns, first round dropped",
         "results": results}, args.out)

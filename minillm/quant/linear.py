@@ -5,9 +5,10 @@ set by bytes moved, not by arithmetic. An int8 weight moves half the bytes of bf
 weight a quarter (plus its group scales). The layers here keep the weight packed and call a
 kernel that dequantizes on the fly:
 
-* CPU, up to :data:`KERNEL_ROWS` rows (a decode step at batch 1): minillm's integer kernels
-  (:mod:`minillm.kernels.cpu_quant_matmul`), which quantize the activations to int8 in blocks
-  of 32 as llama.cpp does and multiply integers (AVX-VNNI where the CPU has it). Under
+* CPU, up to :data:`KERNEL_ROWS` rows (int8: a decode step's few rows; int4: 128): minillm's
+  integer kernels (:mod:`minillm.kernels.cpu_quant_matmul`), which quantize the activations to
+  int8 in blocks of 32 as llama.cpp does and multiply integers (AVX-VNNI where the CPU has it,
+  AVX2's two-step multiply-add elsewhere). Under
   ``torch.compile`` they are the custom ops ``minillm::int8_matmul`` / ``minillm::int4_matmul``.
 * CPU, more rows (a prefill), or where the kernels did not build: PyTorch's packed
   weight-only ops, ``aten._weight_int8pack_mm`` (int8 per channel) and
@@ -36,17 +37,18 @@ if TYPE_CHECKING:
     from ..kernels.cpu_quant_matmul import BoundWeight
 
 OP_DTYPE = torch.bfloat16  # what the CPU packed ops compute in
-#: up to this many rows the integer kernels run a layer, PyTorch's weight-only ops above
-#: (``python benchmarks/quant_matmul_bench.py`` -> benchmarks/results/quant_matmul.json, SmolLM2's
-#: shapes, AVX-512 VNNI, 2 threads: PyTorch's time over ours). int8: x1.06-1.34 at 1 row, the
-#: output head x2.5; at 4 rows the layers x0.87-1.02 and the head, most of the time, x1.85.
-#: int4: x1.09-1.46 at 1 row; from 2 rows mixed (x0.93-1.17), from 4 behind (x0.79-0.99).
-#: Measured only where the CPU multiplies bytes with VNNI (one instruction per 32 byte pairs);
-#: elsewhere (AVX2's two-step multiply-add, other CPUs) PyTorch's ops run every layer until
-#: someone measures there.
-VNNI_KERNEL_ROWS = {"int8": 4, "int4": 1}
+#: up to this many rows the integer kernels run a layer, PyTorch's weight-only ops above,
+#: measured per instruction set (``python benchmarks/quant_matmul_bench.py`` ->
+#: benchmarks/results/quant_matmul.json, and ``--isa avx2``, an AVX2-only CPU's paths on an
+#: AVX-512 one -> quant_matmul_avx2.json; SmolLM2's shapes, 2 threads: PyTorch's time over
+#: ours). AVX-512 VNNI: int8 x1.0-1.3 at 1 row, the output head x2.3, at 4 rows the layers
+#: x0.8-1.0 and the head x1.8; int4 x1.4-2.5 at 1 to 32 rows, x1.6-3.3 at 64 and 128. AVX2:
+#: int8 x1.0-1.2 at 1 row but the head x0.85 (a wash over a step; one row keeps the step all
+#: C++, which a recorded step needs), behind from 2 rows; int4 x1.4-3.0 at 1 to 32 rows.
+VNNI_KERNEL_ROWS = {"int8": 4, "int4": 128}
+AVX2_KERNEL_ROWS = {"int8": 1, "int4": 128}
 KERNEL_ROWS = VNNI_KERNEL_ROWS if cpu_features() & {"avx512_vnni", "avx_vnni"} \
-    else dict.fromkeys(VNNI_KERNEL_ROWS, 0)
+    else AVX2_KERNEL_ROWS if "avx2" in cpu_features() else dict.fromkeys(VNNI_KERNEL_ROWS, 0)
 
 
 _KERNELS = None
@@ -236,6 +238,14 @@ class Int4Linear(nn.Module):
             sz = torch.stack([self.scale.t(), zero.t()], -1).to(OP_DTYPE).contiguous()
             self._cpu_packed = (packed, sz)
         return self._cpu_packed
+
+    def kernel_bytes(self) -> int:
+        """Bytes the CPU integer kernel reads for this weight: the packed codes, and a scale
+        and a minimum per block of 32, float16 where they are exactly float16 numbers (as
+        ``cpu_quant_matmul.pack_int4`` lays them out), else float32."""
+        half = all(torch.equal(t.half().float(), t) for t in (self.scale, self.mn))
+        blocks = self.out_features * (self.in_features // 32)
+        return self.packed.numel() + 2 * blocks * (2 if half else 4)
 
     def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """minillm's integer kernel's (packed, scale, mn) per block of 32, built once."""

@@ -175,10 +175,13 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_GROU
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the weights the decode step reads: every linear (blocks and head), packed."""
+    """Bytes of the weights the decode step reads: every linear (blocks and head), packed
+    (int4: as the CPU's integer kernel reads it, :meth:`~.linear.Int4Linear.kernel_bytes`)."""
     total = 0
     for m in model.modules():
-        if isinstance(m, (Int8Linear, Int4Linear)):
+        if isinstance(m, Int4Linear):
+            total += m.kernel_bytes()
+        elif isinstance(m, Int8Linear):
             total += sum(b.numel() * b.element_size() for n, b in m.named_buffers()
                          if n != "scale_op")
         elif isinstance(m, nn.Linear):
