@@ -59,7 +59,7 @@ def measure(engine: LLMEngine, weights: str, batch: int, rounds: int, seed: int)
     for _ in range(rounds):
         for mode in MODES:
             times[mode].append(step_ms(engine, mode))
-    recorded = engine.runner.cpu_forward._recorded.get(batch)
+    recorded = engine.runner.cpu_forward.recorded.get(batch)
     while engine.has_unfinished():
         engine.step()
     ms = {m: statistics.median(t) for m, t in times.items()}

@@ -335,13 +335,19 @@ def sec_runtime(d: dict) -> list[str]:
 
 
 def sec_quant_matmul(d: dict) -> list[str]:
-    out = ["### The CPU integer matmuls against PyTorch's weight-only ops", ""]
+    avx2 = d.get("isa") == "avx2"
+    name = "quant_matmul_avx2" if avx2 else "quant_matmul"
+    out = ["### The CPU integer matmuls against PyTorch's weight-only ops" +
+           (", an AVX2-only CPU's paths" if avx2 else ""), ""]
     out += [f"{d['method']}; {d['rounds']} rounds. Speedup = PyTorch's time / ours, by number "
             f"of activation rows. The quantized layers use our kernels up to "
             + ", ".join(f"{k}: {row_count(v)}" for k, v in d["kernel_rows"].items())
-            + f". Load average {loads(d.get('load_average'))}.", ""]
-    out += about(d, "quant_matmul", "python benchmarks/quant_matmul_bench.py")
-    out += [caption(d, "quant_matmul"), ""]
+            + (" on such a CPU" if avx2 else "")
+            + f". Load average {loads(d.get('load_average'))}." +
+            (f" Measured as {d['isa_note']}." if avx2 else ""), ""]
+    out += about(d, name, "python benchmarks/quant_matmul_bench.py" +
+                 (" --isa avx2" if avx2 else ""))
+    out += [caption(d, name), ""]
     rows_of = sorted({r["rows"] for r in d["results"]})
     groups: dict[tuple, dict] = {}
     for r in d["results"]:
@@ -960,6 +966,7 @@ CPU_SECTIONS: list[tuple[str, Callable[[dict], list[str]]]] = [
     ("throughput_vllm", sec_throughput_vllm), ("engine_v2_before_after", sec_engine_v2),
     ("cpu_forward", sec_cpu_forward), ("cpu_attention", sec_cpu_attention),
     ("runtime", sec_runtime), ("quant_matmul", sec_quant_matmul),
+    ("quant_matmul_avx2", sec_quant_matmul),
     ("packed_linear", sec_packed_linear), ("quant", sec_quant), ("kvcache", sec_kvcache),
     ("spec", sec_spec),
     ("spec_auto", sec_spec_auto), ("ch06_spec", sec_ch06_spec),

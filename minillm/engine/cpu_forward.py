@@ -141,15 +141,17 @@ class CpuForward:
     the packed linears instead would cost their own checks, 20-35 us a call here: a tenth of
     a batch-1 step. ``model`` and ``cfg`` as :func:`supports` takes them: a
     :class:`Transformer` (:meth:`__call__` from token ids), or a drafter's stack of blocks
-    (:meth:`layers` from its own input rows)."""
+    (:meth:`layers` from its own input rows). ``replay`` (default True): record a pure decode
+    step whose calls are all C++ once per batch size and replay it after; ``recorded``: the
+    recordings by batch size (:class:`~.cpu_replay.RecordedDecode`)."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig | None = None) -> None:
         self.model, self.cfg = model, cfg or model.cfg
         self._seen: tuple | None = None
         self.supported = False
         self.matmuls: list[tuple[Callable[..., torch.Tensor], ...]] = []
-        self.replay = True       # decode steps whose calls are all C++: recorded, replayed
-        self._recorded: dict[int, RecordedDecode] = {}
+        self.replay = True
+        self.recorded: dict[int, RecordedDecode] = {}
 
     def _unchanged(self) -> bool:
         """Every module's children and weight versions as when :meth:`applies` last looked
@@ -163,7 +165,7 @@ class CpuForward:
         if self._unchanged():
             return self.supported
         self.supported = supports(self.model, self.cfg)
-        self._recorded = {}
+        self.recorded = {}
         self.matmuls = [tuple(_matmul_of(getattr(b, part), names) for part, names in LINEARS)
                         for b in self.model.layers] if self.supported else []
         modules = list(self.model.modules())
@@ -208,7 +210,7 @@ class CpuForward:
         if not self.replay or meta.row_bits is not None or meta.groups or meta.singles \
                 or meta.direct is None or meta.direct.numel() != n or sum(meta.q_lens) != n:
             return None
-        recorded = self._recorded.get(n)
+        recorded = self.recorded.get(n)
         if recorded is not None and recorded.serves(batch):
             return recorded
         dt = self.model.embed.weight.dtype
@@ -219,7 +221,7 @@ class CpuForward:
                                   -(-self.cfg.max_seq_len // meta.block_size))
         if not recorded.serves(batch):
             return None
-        self._recorded[n] = recorded
+        self.recorded[n] = recorded
         return recorded
 
     def _rope(self, positions: torch.Tensor, buffers: Buffers | None, dtype: torch.dtype

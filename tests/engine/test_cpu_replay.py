@@ -67,7 +67,7 @@ def test_replayed_steps_equal_the_eager_fast_path_exactly(kind, n_seqs, kv):
     model = tiny(kind)
     eager, pool_e, _ = decode_steps(model, False, n_seqs, kv)
     replayed, pool_r, forward = decode_steps(model, True, n_seqs, kv)
-    recorded = forward._recorded[n_seqs]
+    recorded = forward.recorded[n_seqs]
     assert recorded.replays == len(replayed) - 2      # the prefill eager, one step recorded
     for a, b in zip(eager, replayed):
         assert torch.equal(a, b)
@@ -90,17 +90,17 @@ def test_engine_serves_the_same_tokens_and_logprobs_replayed():
         results.append([(done[i].outputs[0].token_ids, done[i].outputs[0].logprobs)
                         for i in ids])
     assert results[0] == results[1]
-    assert engine.runner.cpu_forward._recorded[3].replays > 0
+    assert engine.runner.cpu_forward.recorded[3].replays > 0
 
 
 def test_a_recording_is_dropped_when_the_model_changes_and_refused_where_python_runs():
     model = tiny("int8")
     _, _, forward = decode_steps(model, True, 1, steps=3)
-    assert forward._recorded
+    assert forward.recorded
     model.layers[0].attn.wo = torch.nn.Linear(64, 64, bias=False)   # a float linear now
-    assert forward.applies() and not forward._recorded
+    assert forward.applies() and not forward.recorded
     _, _, forward = decode_steps(model, True, 1, steps=3)
-    assert not forward._recorded            # a float matmul is a PyTorch op: not recorded
+    assert not forward.recorded            # a float matmul is a PyTorch op: not recorded
 
 
 def test_buffers_of_a_recording_keep_their_shape():
