@@ -43,6 +43,7 @@ STEPS = "tests/engine/test_step_policy.py::"
 PAGED = "tests/attention/test_paged_attention_backend.py::"
 CONNECTOR = "tests/engine/test_kv_connector.py::"
 POLICY = "tests/engine/test_policy_seams.py::"
+REPLAY = "tests/engine/test_cpu_replay.py::"
 SHIFT = "(start > 0 and w.num_tokens > 1)"   # a later chunk's positions moved by one
 
 
@@ -202,6 +203,25 @@ BUGS = (
         "        if not job.finished:\n            self._commands.put((\"abort\", job))",
         "        if False:\n            self._commands.put((\"abort\", job))",
         ("tests/serve/test_serve.py::test_client_disconnect_mid_stream_frees_its_blocks",)),
+    Bug("replay-stale-rope", "a replayed decode step keeps the recorded step's RoPE positions",
+        "minillm/engine/cpu_replay.py",
+        "            self.rope(positions, b, x.dtype)\n",
+        "",
+        (REPLAY + "test_replayed_steps_equal_the_eager_fast_path_exactly",)),
+    Bug("replay-stale-block-tables", "a replayed decode step reads the recorded step's block "
+        "tables (a sequence that moves into a new block attends to the wrong one)",
+        "minillm/engine/cpu_replay.py",
+        'block_tables=b.put("block_tables", meta.block_tables, self.max_blocks)',
+        'block_tables=b.tensors["block_tables"] if self.calls else '
+        'b.put("block_tables", meta.block_tables, self.max_blocks)',
+        (REPLAY + "test_replayed_steps_equal_the_eager_fast_path_exactly",)),
+    Bug("int4-high-nibble-offset", "the int4 kernel meets each high nibble with the wrong four "
+        "activation bytes (the AVX2 path, which every x86 machine here builds)",
+        "kernels/cpu_quant_matmul.cpp",
+        "dot = madd(dot, hi[u], _mm256_set1_epi32(word(a + 16 + 4 * u)));",
+        "dot = madd(dot, hi[u], _mm256_set1_epi32(word(a + 4 + 4 * u)));",
+        ("tests/kernel_tests/test_cpu_quant_matmul.py::"
+         "test_kernel_equals_float64_on_the_quantized_input",)),
 )
 
 

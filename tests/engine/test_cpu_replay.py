@@ -34,8 +34,8 @@ def tiny(kind: str) -> torch.nn.Module:
 
 def decode_steps(model, replay: bool, n_seqs: int, kv_dtype=None, steps: int = 20):
     """``steps`` decode steps of ``n_seqs`` sequences (prompts cached by a first eager step),
-    crossing a 16-token block boundary: each step's final hidden states, the pool and the
-    forward."""
+    crossing a 16-token block boundary, each block table as long as its sequence needs (as
+    the engine grows them): each step's final hidden states, the pool and the forward."""
     cfg, g = model.cfg, torch.Generator().manual_seed(0)
     pool = PagedKVPool(cfg, 4 * n_seqs, 16, model.device, model.dtype, kv_dtype=kv_dtype)
     tables = [[4 * s, 4 * s + 1, 4 * s + 2] for s in range(n_seqs)]
@@ -46,7 +46,8 @@ def decode_steps(model, replay: bool, n_seqs: int, kv_dtype=None, steps: int = 2
         for step in range(steps + 1):
             q_lens = lens if step == 0 else [1] * n_seqs
             ctx = [0] * n_seqs if step == 0 else lens
-            meta = build_metadata(tables, ctx, q_lens, 16, model.device,
+            grown = [t[:-(-(c + n) // 16)] for t, c, n in zip(tables, ctx, q_lens)]
+            meta = build_metadata(grown, ctx, q_lens, 16, model.device,
                                   q_per_kv=cfg.n_heads // cfg.n_kv_heads, direct=True)
             ids = torch.randint(0, cfg.vocab_size, (sum(q_lens),), generator=g)
             pos = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, q_lens)])
