@@ -117,15 +117,55 @@ def _packed(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
     return (module.input_group or PackedGroup(module, *names)).packed_weight(linears)
 
 
-def _matmul_of(module: nn.Module, names: tuple[str, ...]) -> Callable[[torch.Tensor],
-                                                                       torch.Tensor]:
-    """x [N, K] -> [N, sum of out_features]: ``module``'s linears ``names`` as one matmul
-    (oneDNN's on their packed weight, or the integer kernels' for quantized linears)."""
+#: up to this many rows a bfloat16 matmul takes the C++ matrix-vector kernel, oneDNN's above
+#: (x1.8-2.1 over oneDNN at 1 row, x1.1-1.9 at 4, SmolLM2's layer shapes, weights out of cache,
+#: 2 threads of an AVX-512 BF16 EPYC: the git log of kernels/cpu_bf16_gemv.py)
+GEMV_ROWS = 4
+
+
+class Bf16Matmul:
+    """bfloat16 linears that read the same input as one matmul, x [N, K] -> [N, sum of
+    out_features]: up to :data:`GEMV_ROWS` rows the C++ kernel
+    (:mod:`minillm.kernels.cpu_bf16_gemv`, on its own copy of the weights laid out for it),
+    more rows oneDNN's packed matmul. ``weight``: the linears' weights stacked [N, K];
+    ``packed``: oneDNN's copy of it."""
+
+    def __init__(self, weight: torch.Tensor, packed: torch.Tensor) -> None:
+        from ..kernels.cpu_bf16_gemv import Bf16Weight
+
+        self.gemv, self.packed = Bf16Weight(weight), packed
+
+    def one_call(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether x [rows, K] of ``dtype`` is one C++ call (what a recorded step replays)."""
+        return rows <= GEMV_ROWS and dtype == torch.bfloat16
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] <= GEMV_ROWS and x.stride(-1) == 1:
+            return self.gemv(x, out)
+        y = packed_matmul(x, self.packed)
+        return y if out is None else out.copy_(y)
+
+
+def _gemv_fits(weight: torch.Tensor) -> bool:
+    """Whether the bf16 matrix-vector kernel runs fast here and takes ``weight``."""
+    from ..kernels import cpu_bf16_gemv
+
+    return weight.dtype == torch.bfloat16 and cpu_bf16_gemv.available() \
+        and cpu_bf16_gemv.fits(weight)
+
+
+def _matmul_of(module: nn.Module, names: tuple[str, ...]) -> Callable[..., torch.Tensor]:
+    """x [N, K] (, out) -> [N, sum of out_features]: ``module``'s linears ``names`` as one
+    matmul (oneDNN's on their packed weight; bfloat16 at a few rows the C++ kernel,
+    :class:`Bf16Matmul`; the integer kernels' for quantized linears)."""
     linears = _linears(module, names)
     group = _fused_group(linears)
     if group is not None:
         return group(linears)
     packed = _packed(module, names)
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    if _gemv_fits(weight):
+        return Bf16Matmul(weight, packed)
 
     def matmul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         y = packed_matmul(x, packed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from minillm.kernels import cpu_bf16_gemv as gemv
 
 import minillm
 from minillm.attention.paged import build_metadata, get_paged_backend
@@ -28,8 +29,15 @@ def kernel_rows(monkeypatch):
 
 
 def tiny(kind: str) -> torch.nn.Module:
+    """The tiny preset with int8 or int4 weights (float32 activations), or in bfloat16."""
+    if kind == "bf16":
+        return minillm.load_model("tiny", dtype=torch.bfloat16)[0]
     model, _ = minillm.load_model("tiny", dtype=torch.float32)
     return quantize_model(model, kind)
+
+
+BF16 = pytest.param("bf16", 2, None, marks=pytest.mark.skipif(
+    not gemv.available(), reason="no AVX-512 BF16: bfloat16 matmuls stay oneDNN's"))
 
 
 def decode_steps(model, replay: bool, n_seqs: int, kv_dtype=None, steps: int = 20):
@@ -60,7 +68,7 @@ def decode_steps(model, replay: bool, n_seqs: int, kv_dtype=None, steps: int = 2
 
 
 @pytest.mark.parametrize("kind,n_seqs,kv", [("int4", 1, None), ("int8", 1, None),
-                                            ("int8", 3, None), ("int8", 2, torch.int8)])
+                                            ("int8", 3, None), ("int8", 2, torch.int8), BF16])
 def test_replayed_steps_equal_the_eager_fast_path_exactly(kind, n_seqs, kv):
     """Every decode step's hidden states and every cached K/V the same to the bit: the
     replay copies each input that changes (embeddings, RoPE's positions, slots, lengths,
