@@ -205,7 +205,7 @@ BUGS = (
         ("tests/serve/test_serve.py::test_client_disconnect_mid_stream_frees_its_blocks",)),
     Bug("replay-stale-rope", "a replayed decode step keeps the recorded step's RoPE positions",
         "minillm/engine/cpu_replay.py",
-        "            self.rope(positions, b, x.dtype)\n",
+        "            rope(positions, b, x.dtype)\n",
         "",
         (REPLAY + "test_replayed_steps_equal_the_eager_fast_path_exactly",)),
     Bug("replay-stale-block-tables", "a replayed decode step reads the recorded step's block "

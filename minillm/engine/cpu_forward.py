@@ -6,8 +6,9 @@ small ones (norms, RoPE, residual adds, the cache write, SiLU) and the Python ar
 cost more than their arithmetic. :class:`CpuForward` computes the same layers over the same
 weights with each group of small ops one C++ call (:mod:`minillm.kernels.cpu_fused_ops`),
 attention the paged kernel (:mod:`minillm.kernels.cpu_paged_attention`) and the matmuls
-oneDNN's on the weights already packed (quantized linears: the group their class names as
-``fused_group``, e.g. :class:`minillm.quant.linear.QuantGroup`), per layer:
+oneDNN's on the weights already packed (bfloat16 at a few rows: a matrix-vector kernel of its
+own, :class:`Bf16Matmul`; quantized linears: the group their class names as ``fused_group``,
+e.g. :class:`minillm.quant.linear.QuantGroup`), per layer:
 
     h = RMSNorm(x += delta)                  add_rms_norm (delta: the previous sublayer's output)
     q, k, v = h @ [Wq Wk Wv]                 one packed matmul
@@ -238,7 +239,7 @@ class CpuForward:
         if not keep and before_layer is None and after_layer is None:
             recorded = self._recording(batch)
             if recorded is not None:
-                return recorded.run(x, positions, batch.meta), {}
+                return recorded.run(x, positions, batch.meta, self.layers, self._rope), {}
         return self.layers(x, positions, batch, keep, before_layer, after_layer)
 
     def _recording(self, batch: PagedBatch) -> RecordedDecode | None:
@@ -257,8 +258,7 @@ class CpuForward:
         if not all(getattr(m, "one_call", None) and m.one_call(n, dt)
                    for mm in self.matmuls for m in mm):
             return None
-        recorded = RecordedDecode(self.layers, self._rope, batch,
-                                  -(-self.cfg.max_seq_len // meta.block_size))
+        recorded = RecordedDecode(batch, -(-self.cfg.max_seq_len // meta.block_size))
         if not recorded.serves(batch):
             return None
         self.recorded[n] = recorded

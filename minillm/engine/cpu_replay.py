@@ -4,8 +4,10 @@ At batch 1 the CPU fast path (:mod:`.cpu_forward`) makes nine C++ calls a layer,
 of SmolLM2, and most of them are short: a norm over 576 numbers takes about a microsecond.
 The Python that prepares each call (a fresh output tensor, the pointers and strides of its
 arguments, a view or two) costs several times that, a third of the step. Yet when every call
-of a step is C++ (quantized weights at the few rows the integer kernels take,
-:meth:`minillm.quant.linear.QuantGroup.one_call`) and every sequence brings one new token,
+of a step is C++ (each matmul's ``one_call``: bfloat16 weights at the few rows the
+matrix-vector kernel takes, :class:`.cpu_forward.Bf16Matmul`; quantized ones at the rows the
+integer kernels take, :meth:`minillm.quant.linear.QuantGroup.one_call`) and every sequence
+brings one new token,
 two steps of the same batch size make the same calls with the same sizes; only the values in
 a few tensors differ: the new tokens' embeddings, RoPE's cos and sin, the slots and block
 tables. So, as :mod:`.graphs` captures a CUDA graph, :class:`RecordedDecode` runs one such
@@ -60,18 +62,18 @@ class Buffers:
 LayersFn = Callable[..., tuple[torch.Tensor, dict]]
 
 
+RopeFn = Callable[[torch.Tensor, Buffers, torch.dtype], object]
+
+
 class RecordedDecode:
     """One batch size's decode step through the CPU fast path, recorded on its first
-    :meth:`run` and replayed after. ``layers``: :meth:`.cpu_forward.CpuForward.layers` (x,
-    positions, batch, buffers=...); ``rope``: its cos/sin tables into the buffers
-    (positions, buffers, dtype); ``batch``: the pool and backend the steps read (a step through
-    another pool needs another recording: :meth:`serves`); ``max_blocks``: the widest block
-    table a sequence can have. ``replays`` counts the steps replayed."""
+    :meth:`run` and replayed after. ``batch``: the pool and backend the steps read (a step
+    through another pool needs another recording: :meth:`serves`); ``max_blocks``: the widest
+    block table a sequence can have. ``replays`` counts the steps replayed. (It holds no
+    reference to the forward that owns it: :meth:`run` is handed its functions, so dropping
+    the engine frees the model at once, with no cycle for the garbage collector to find.)"""
 
-    def __init__(self, layers: LayersFn, rope: Callable[[torch.Tensor, Buffers, torch.dtype],
-                                                         object],
-                 batch: PagedBatch, max_blocks: int) -> None:
-        self.layers, self.rope = layers, rope
+    def __init__(self, batch: PagedBatch, max_blocks: int) -> None:
         self.pool, self.attn, self.max_blocks = batch.pool, batch.attn, max_blocks
         self.buffers = Buffers()
         self.calls: list | None = None
@@ -92,10 +94,13 @@ class RecordedDecode:
                        cu_seqlens_q=b.put("cu_seqlens_q", meta.cu_seqlens_q),
                        direct=b.put("direct", meta.direct))
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata
-            ) -> torch.Tensor:
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata,
+            layers: LayersFn, rope: RopeFn) -> torch.Tensor:
         """The step from the new tokens' embeddings x [n, D] -> final normed hidden states
-        [n, D] (a new tensor); writes each token's K/V at its slot, as the eager call does."""
+        [n, D] (a new tensor); writes each token's K/V at its slot, as the eager call does.
+        ``layers``: :meth:`.cpu_forward.CpuForward.layers` (x, positions, batch, buffers=...),
+        run to record; ``rope``: its cos/sin tables into the buffers (positions, buffers,
+        dtype), run before each replay."""
         from ..kernels.cpu_build import recording_calls, replay_calls
 
         b = self.buffers
@@ -103,11 +108,11 @@ class RecordedDecode:
         static = self._metadata(meta)
         if self.calls is None:
             with recording_calls() as calls:
-                self.out, _ = self.layers(x, positions, PagedBatch(self.pool, static, self.attn),
-                                          buffers=b)
+                self.out, _ = layers(x, positions, PagedBatch(self.pool, static, self.attn),
+                                     buffers=b)
             self.calls, b.frozen = calls, True
         else:
-            self.rope(positions, b, x.dtype)
+            rope(positions, b, x.dtype)
             replay_calls(self.calls)
             self.replays += 1
         return self.out.clone()
