@@ -164,9 +164,10 @@ def _matmul_of(module: nn.Module, names: tuple[str, ...]) -> Callable[..., torch
     if group is not None:
         return group(linears)
     packed = _packed(module, names)
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    if _gemv_fits(weight):
-        return Bf16Matmul(weight, packed)
+    if linears[0].weight.dtype == torch.bfloat16:
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        if _gemv_fits(weight):
+            return Bf16Matmul(weight, packed)
 
     def matmul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         y = packed_matmul(x, packed)

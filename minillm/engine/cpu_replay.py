@@ -7,12 +7,12 @@ arguments, a view or two) costs several times that, a third of the step. Yet whe
 of a step is C++ (each matmul's ``one_call``: bfloat16 weights at the few rows the
 matrix-vector kernel takes, :class:`.cpu_forward.Bf16Matmul`; quantized ones at the rows the
 integer kernels take, :meth:`minillm.quant.linear.QuantGroup.one_call`) and every sequence
-brings one new token,
-two steps of the same batch size make the same calls with the same sizes; only the values in
-a few tensors differ: the new tokens' embeddings, RoPE's cos and sin, the slots and block
-tables. So, as :mod:`.graphs` captures a CUDA graph, :class:`RecordedDecode` runs one such
-step with every tensor it touches in :class:`Buffers` it keeps (the KV pool and the weights
-stay where they are), recording each C++ call with its arguments
+brings one new token, two steps of the same batch size make the same calls with the same
+sizes; only the values in a few tensors differ: the new tokens' embeddings, RoPE's cos and
+sin, the slots and block tables. So, as :mod:`.graphs` captures a CUDA graph,
+:class:`RecordedDecode` runs one such step with every tensor it touches in :class:`Buffers` it
+keeps (the KV pool and the weights stay where they are), recording each C++ call with its
+arguments
 (:func:`minillm.kernels.cpu_build.recording_calls`); each later step of that size copies its
 inputs into the same buffers and replays the list: the same arithmetic, one Python loop.
 ``python benchmarks/cpu_forward_bench.py`` measures it against the step it records.
