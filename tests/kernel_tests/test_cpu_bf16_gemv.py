@@ -16,12 +16,8 @@ VARIANTS = {"native": gemv.LIBRARY,
 
 
 @pytest.fixture(params=list(VARIANTS))
-def variant(request, monkeypatch):
-    library = VARIANTS[request.param]
-    if library.get() is None:
-        pytest.skip(f"{request.param} build failed: {library.reason()}")
-    monkeypatch.setattr(gemv, "LIBRARY", library)
-    return request.param
+def variant(request, use_build):
+    return use_build(gemv, request.param, VARIANTS[request.param])
 
 
 def randn(*shape, seed=0):

@@ -29,12 +29,8 @@ def randn(*shape, seed=0):
 
 
 @pytest.fixture(params=list(VARIANTS))
-def variant(request, monkeypatch):
-    library = VARIANTS[request.param]
-    if library.get() is None:
-        pytest.skip(f"{request.param} build failed: {library.reason()}")
-    monkeypatch.setattr(qmm, "LIBRARY", library)
-    return request.param
+def variant(request, use_build):
+    return use_build(qmm, request.param, VARIANTS[request.param])
 
 
 def weights(kind: str, n: int, k: int, group_size: int = 32, seed: int = 1):
