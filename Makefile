@@ -43,8 +43,9 @@ lab: setup
 # Every unit, parity and notebook test; MINILLM_FAST=1 shrinks notebook sizes for 2 CPU cores.
 # Notebooks: a cell may take 300 s at most (the slowest MINILLM_FAST cell takes about 40 s on
 # an AVX-512 machine), and a notebook that fails is run once more in a fresh kernel
-# (pytest-rerunfailures): with ipykernel 7 a kernel and its client now and then both sat idle
-# waiting for the other, which only a new kernel got past (ipykernel is pinned below 7 since).
+# (pytest-rerunfailures). The client waits for the kernel's messages in one-second slices
+# (minillm.labs.kernel_wakeup): with one wait per cell, a missed socket wake-up left a finished
+# cell waiting out the whole 300 s.
 # TEST_WORKERS processes (pytest-xdist) share the cores, one torch thread each: most tests and
 # notebooks are bound by Python, not by matrix maths, so two single-threaded workers on two cores
 # finish sooner than one worker with two threads. A test file (or a notebook) stays on one worker,
@@ -56,7 +57,8 @@ PYTEST_PARALLEL := OMP_NUM_THREADS=1 MINILLM_FAST=1 $(BIN)/python -m pytest -n $
 	--dist loadscope -q
 test: setup
 	$(PYTEST_PARALLEL) tests --durations=25
-	$(PYTEST_PARALLEL) --nbmake --nbmake-timeout=300 --reruns 1 chapters --durations=13
+	$(PYTEST_PARALLEL) -p minillm.labs.kernel_wakeup --nbmake --nbmake-timeout=300 --reruns 1 chapters \
+		--durations=13
 
 test-fast: setup
 	$(BIN)/python -m pytest tests -q -m "not slow"

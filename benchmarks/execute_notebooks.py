@@ -23,6 +23,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from minillm.labs.kernel_wakeup import install as install_kernel_wakeup
 from minillm.runinfo import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +47,7 @@ def execute(path: Path, fast: bool, timeout_s: int) -> dict:
         os.environ["MINILLM_FAST"] = "1"       # the kernel inherits this process's environment
     else:
         os.environ.pop("MINILLM_FAST", None)
+    install_kernel_wakeup()
     nb = nbformat.read(path, as_version=4)
     load_before = os.getloadavg()[0]
     start = time.perf_counter()

@@ -76,7 +76,7 @@ ALLOWED: dict[str, set[str]] = {
              "evaluate", "generate", "model", "parallel", "quant", "runtime", "sampling",
              "serving_metrics", "spec_decode", "spec_decode.training", "structured", "train"},
     "labs.solutions": {"cache", "checkpoint", "course", "device", "labs"},
-    "labs.grade": {"labs.solutions"},
+    "labs.grade": {"labs", "labs.solutions"},
     "labs.__main__": {"labs.grade"},
     "cli": {"bench", "checkpoint", "config", "generate", "serve"},
     "__main__": {"cli"},

@@ -45,6 +45,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from .kernel_wakeup import install as install_kernel_wakeup
 from .solutions import CHAPTERS, key
 
 MESSAGE_CHARS = 300
@@ -205,6 +206,7 @@ def run_notebook(path: Path, calls: list[tuple[str, str, str]], timeout: float,
     call. Raises TimeoutError (nbclient's CellTimeoutError is one) when the cells take more
     than ``timeout`` seconds in all, DeadKernelError when the kernel dies, RuntimeError when
     the grading cell prints nothing."""
+    install_kernel_wakeup()
     nb = nbformat.read(path, as_version=4)
     marker = f"MINILLM-GRADE-{secrets.token_hex(8)}:"
     nb.cells.append(grading_cell(calls, marker))
