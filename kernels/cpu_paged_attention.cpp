@@ -157,9 +157,25 @@ static inline __m512 sum16(const __m512* v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xdd));
 }
 
-static inline __m512 widen16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+// A block's values as key pairs: vp[pair][e] = v[2 pair][e] | v[2 pair + 1][e] << 16 over a
+// cached token's ``row`` elements, so that one vdpbf16ps against the broadcast weight pair
+// (w[2 pair], w[2 pair + 1]) adds two keys' values into 16 output lanes. A last odd key is
+// paired with zeros (its partner's weight is zero, and a zero keeps NaN out of the sum).
+static void pair_values(const uint16_t* vb, int64_t n, int64_t row, uint32_t* vp) {
+    alignas(64) int16_t lo_idx[32], hi_idx[32];      // word k of the pairs: a[k/2] or b[k/2]
+    for (int k = 0; k < 32; ++k) {
+        lo_idx[k] = (int16_t)((k % 2 ? 32 : 0) + k / 2);
+        hi_idx[k] = (int16_t)((k % 2 ? 32 : 0) + 16 + k / 2);
+    }
+    const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+    for (int64_t o = 0; o < n; o += 2)
+        for (int64_t i = 0; i < row; i += 32) {
+            const __m512i a = _mm512_loadu_si512(vb + o * row + i);
+            const __m512i b = o + 1 < n ? _mm512_loadu_si512(vb + (o + 1) * row + i)
+                                        : _mm512_setzero_si512();
+            _mm512_storeu_si512(vp + o / 2 * row + i, _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_storeu_si512(vp + o / 2 * row + i + 16, _mm512_permutex2var_epi16(a, hi, b));
+        }
 }
 
 // exp_neg on 16 lanes (the same steps as the scalar one above)
@@ -179,8 +195,10 @@ static inline __m512 exp_neg16(__m512 x) {
 }
 
 // The bfloat16 path on CPUs with AVX512-BF16: q . k straight from the cache's bfloat16 with
-// vdpbf16ps (exact products, float32 sums; 16 keys at a time, reduced by sum16), the block's
-// values widened once and accumulated in float32 registers. Same loop and semantics as attend.
+// vdpbf16ps (exact products, float32 sums; 16 keys at a time, reduced by sum16), and p . v too:
+// the weights rounded to bfloat16 (as FlashAttention's P before its PV matmul) against the
+// block's values paired by pair_values, two keys per instruction into float32 accumulators.
+// Same loop and semantics as attend.
 template <int64_t D>
 static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                         const int32_t* tables, int64_t width, const int32_t* seq_lens,
@@ -194,8 +212,8 @@ static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
     for (size_t item = 0; item < items.size(); ++item) {
         const auto [s, q0, nq, ctx] = items[item];
         const int64_t len = ctx + nq, rows = nq * hq;
-        std::vector<float> acc(rows * D, 0.0f), m(rows, -INFINITY), l(rows, 0.0f),
-            vbuf(bs * row);
+        std::vector<float> acc(rows * D, 0.0f), m(rows, -INFINITY), l(rows, 0.0f);
+        std::vector<uint32_t> vp((bs + 1) / 2 * row);
         // Many rows per KV head (a prompt chunk): the block's keys are also laid out as
         // kt[kv head][16-key group][pair c][key], so that 16 lanes of vdpbf16ps with q's pair c
         // broadcast are 16 keys' partial dot products: no reduction per row. Decodes (a few
@@ -207,9 +225,14 @@ static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
             const int64_t n = len - p0 < bs ? len - p0 : bs;
             const uint16_t* kb = kc + tables[s * width + p0 / bs] * bs * row;
             const uint16_t* vb = vc + tables[s * width + p0 / bs] * bs * row;
-            const NextBlock next(kc, vc, p0 + bs < len ? tables[s * width + p0 / bs + 1] : -1,
-                                 bs * row, rows);
-            for (int64_t i = 0; i < n * row; i += 16) _mm512_storeu_ps(&vbuf[i], widen16(vb + i));
+            // Two blocks ahead (one ahead arrived too late here: 10% slower decodes); at the
+            // start the first one ahead in one burst as well.
+            const auto table_at = [&](int64_t i) {
+                return i * bs < len ? (int64_t)tables[s * width + i] : (int64_t)-1;
+            };
+            const NextBlock next(kc, vc, table_at(p0 / bs + 2), bs * row, rows);
+            if (p0 == 0) NextBlock(kc, vc, table_at(1), bs * row, 1).fetch_slice(0);
+            pair_values(vb, n, row, vp.data());
             if (transposed)
                 for (int64_t h = 0; h < hkv; ++h)
                     for (int64_t o = 0; o < groups * 16; ++o) {
@@ -239,15 +262,16 @@ static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
                     if (transposed) {
                         const uint32_t* kg = &kt[(kvh * groups + o0 / 16) * (D / 2) * 16];
                         const uint32_t* qp = (const uint32_t*)(q + (q0 * hq + r) * D);
-                        __m512 a0 = raw, a1 = raw;       // two chains of dependent adds
-                        for (int64_t c = 0; c < D / 2; c += 2) {
-                            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(kg + 16 * c),
-                                                  (__m512bh)_mm512_set1_epi32((int)qp[c]));
-                            a1 = _mm512_dpbf16_ps(a1,
-                                                  (__m512bh)_mm512_loadu_si512(kg + 16 * c + 16),
-                                                  (__m512bh)_mm512_set1_epi32((int)qp[c + 1]));
+                        __m512 a0 = raw, a1 = raw, a2 = raw, a3 = raw;  // four chains of adds
+                        const auto step = [&](__m512 acc, int64_t c) {
+                            return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kg + 16 * c),
+                                                    (__m512bh)_mm512_set1_epi32((int)qp[c]));
+                        };
+                        for (int64_t c = 0; c < D / 2; c += 4) {
+                            a0 = step(a0, c); a1 = step(a1, c + 1);
+                            a2 = step(a2, c + 2); a3 = step(a3, c + 3);
                         }
-                        raw = _mm512_add_ps(a0, a1);
+                        raw = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
                     } else {
                         __m512 dots[16];
                         for (int64_t j = 0; j < 16; ++j) {
@@ -269,16 +293,16 @@ static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
                         valid, exp_neg16(_mm512_sub_ps(sc, _mm512_set1_ps(best))));
                     l[r] = l[r] * alpha + _mm512_reduce_add_ps(w);
                     m[r] = best;
-                    alignas(64) float wt[16];
-                    _mm512_store_ps(wt, w);
+                    alignas(32) uint32_t wp[8];             // the weights' bfloat16 pairs
+                    _mm256_store_si256((__m256i*)wp, (__m256i)_mm512_cvtneps_pbh(w));
                     const __m512 al = _mm512_set1_ps(alpha);
                     for (int64_t e = 0; e < D / 16; ++e) a[e] = _mm512_mul_ps(a[e], al);
-                    const float* vr = &vbuf[(o0 * hkv + kvh) * D];
-                    for (int64_t o = 0; o < nk; ++o) {
-                        const __m512 wo = _mm512_set1_ps(wt[o]);
+                    const uint32_t* vr = &vp[o0 / 2 * row + kvh * D];
+                    for (int64_t p = 0; p < (nk + 1) / 2; ++p) {
+                        const __m512bh wv = (__m512bh)_mm512_set1_epi32((int)wp[p]);
                         for (int64_t e = 0; e < D / 16; ++e)
-                            a[e] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(vr + o * row + 16 * e),
-                                                   a[e]);
+                            a[e] = _mm512_dpbf16_ps(
+                                a[e], (__m512bh)_mm512_loadu_si512(vr + p * row + 16 * e), wv);
                     }
                 }
                 for (int64_t e = 0; e < D / 16; ++e) _mm512_storeu_ps(&acc[r * D + 16 * e], a[e]);

@@ -43,16 +43,37 @@ def reference(q, kc, vc, tables, lens, cu):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 128, 8), (6, 2, 40, 5),
-                                          (2, 1, 16, 32), (8, 2, 64, 48)])
+                                          (2, 1, 16, 32), (8, 2, 64, 48), (9, 3, 64, 5)])
 def test_matches_float64_reference(hq, hkv, d, bs, dtype, tol):
     """Head dims 64 and 128 (compiled for) and others (the generic loop), GQA and MHA, block
     sizes that do and do not divide the lengths (and, 48, blocks that the AVX512-BF16 path
-    walks in three steps of 16 keys); decodes and causal chunks over a prefix."""
+    walks in three steps of 16 keys; 5, blocks of an odd number of keys, whose last key that
+    path pairs with zeros); decodes and causal chunks over a prefix."""
     case = make_case(hq, hkv, d, bs, dtype=dtype, seed=d + bs)
     out = kernel.cpu_paged_attention(*case)
     assert out.dtype == dtype and out.shape == case[0].shape
     err = (out.double() - reference(*case)).abs().max().item()
     assert err < tol * (1 if dtype == torch.float32 else 4), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slots_past_a_sequence_are_never_read(dtype):
+    """NaN in every cache slot that holds no token of a sequence (past its length, unused
+    blocks): the output equals the clean cache's bit for bit. The bfloat16 path adds values two
+    keys at a time, so an odd length's last key meets the slot after it (with weight zero, and
+    zero times NaN is NaN)."""
+    q, kc, vc, tables, lens, cu = make_case(dtype=dtype, seed=3)
+    bs = kc.shape[1]
+    want = kernel.cpu_paged_attention(q, kc, vc, tables, lens, cu)
+    holds_token = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for i, n in enumerate(lens.tolist()):
+        for p in range(n):
+            holds_token[tables[i, p // bs], p % bs] = True
+    assert (~holds_token).any() and any(n % 2 for n in lens.tolist())
+    kc, vc = kc.clone(), vc.clone()
+    kc[~holds_token] = float("nan")
+    vc[~holds_token] = float("nan")
+    assert torch.equal(kernel.cpu_paged_attention(q, kc, vc, tables, lens, cu), want)
 
 
 def narrow(cache: torch.Tensor, fmt: torch.dtype):
