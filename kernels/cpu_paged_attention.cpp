@@ -138,13 +138,16 @@ struct NextBlock {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define HAVE_AVX512_BF16 1
-// Lane j of the result: the sum of v[j]'s 16 lanes. A transposing reduction (unpack, unpack,
-// two rounds of 128-bit shuffles: 45 instructions) instead of sixteen horizontal sums.
-static inline __m512 sum16(const __m512* v) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; ++i)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+// Sixteen 16-lane sums as one register (lane j: the sum of v[j]'s lanes) by a transposing
+// reduction (unpack, unpack, two rounds of 128-bit shuffles: 45 instructions) instead of
+// sixteen horizontal sums. Its first step, pair_sum(v[2i], v[2i + 1]), is taken as the pairs
+// come; sum_pairs does the rest from the eight pair sums.
+static inline __m512 pair_sum(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+
+static inline __m512 sum_pairs(const __m512* t) {
+    __m512 u[4];
     for (int i = 0; i < 4; ++i) {
         const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
         u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
@@ -194,6 +197,124 @@ static inline __m512 exp_neg16(__m512 x) {
     return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(ni, 23)));
 }
 
+// G query rows of one new token and one KV head (they read the same keys and values): the
+// arguments of attend_rows. ``keys``: the block's keys of that head, [key][row] bfloat16, or
+// (transposed) its kt groups; ``vals``: the block's value pairs of that head; ``first``: the
+// block's first key's place after the tree mask's first key.
+struct RowGroup {
+    const uint16_t* q; const void* keys; const uint32_t* vals;
+    int64_t row, cnt, bits, first; float scale; float *m, *l, *acc;
+};
+
+// Scores of 16 keys for G rows, the keys as rows of the cache: each key's registers loaded
+// once for the G rows, the products reduced by pair_sum as they come and sum_pairs after.
+template <int G, int64_t D>
+static inline void key_scores(const __m512bh (&qv)[G][D / 32], const uint16_t* kr, int64_t row,
+                              int64_t nk, __m512 (&raw)[G]) {
+    __m512 t[G][8];
+    for (int64_t j = 0; j < 16; j += 2) {
+        __m512 d0[G], d1[G];
+        for (int i = 0; i < G; ++i) d0[i] = d1[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D / 32; ++c) {
+            if (j < nk) {
+                const __m512bh k = (__m512bh)_mm512_loadu_si512(kr + j * row + 32 * c);
+                for (int i = 0; i < G; ++i) d0[i] = _mm512_dpbf16_ps(d0[i], qv[i][c], k);
+            }
+            if (j + 1 < nk) {
+                const __m512bh k = (__m512bh)_mm512_loadu_si512(kr + (j + 1) * row + 32 * c);
+                for (int i = 0; i < G; ++i) d1[i] = _mm512_dpbf16_ps(d1[i], qv[i][c], k);
+            }
+        }
+        for (int i = 0; i < G; ++i) t[i][j / 2] = pair_sum(d0[i], d1[i]);
+    }
+    for (int i = 0; i < G; ++i) raw[i] = sum_pairs(t[i]);
+}
+
+// Scores of 16 keys for G rows from the transposed keys kg[pair c][key]: 16 lanes of
+// vdpbf16ps with a row's pair c broadcast are 16 keys' partial sums; two chains a row.
+template <int G, int64_t D>
+static inline void transposed_scores(const uint16_t* q, const uint32_t* kg, __m512 (&raw)[G]) {
+    const uint32_t* qp = (const uint32_t*)q;             // row i's pairs: qp[i * D / 2 + c]
+    __m512 even[G], odd[G];
+    for (int i = 0; i < G; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D / 2; c += 2) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kg + 16 * c);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kg + 16 * c + 16);
+        for (int i = 0; i < G; ++i) {
+            even[i] = _mm512_dpbf16_ps(even[i], k0,
+                                       (__m512bh)_mm512_set1_epi32((int)qp[i * D / 2 + c]));
+            odd[i] = _mm512_dpbf16_ps(odd[i], k1,
+                                      (__m512bh)_mm512_set1_epi32((int)qp[i * D / 2 + c + 1]));
+        }
+    }
+    for (int i = 0; i < G; ++i) raw[i] = _mm512_add_ps(even[i], odd[i]);
+}
+
+// One block's keys for G rows, 16 at a time: scores, one online-softmax step per row, then
+// p . v: the weights rounded to bfloat16 (as FlashAttention's P before its PV matmul) against
+// the value pairs, two keys per vdpbf16ps, each pair's registers loaded once for the G rows.
+template <int G, int64_t D, bool TRANSPOSED>
+static void attend_rows(const RowGroup& x) {
+    __m512bh qv[G][D / 32];
+    __m512 a[G][D / 16];
+    for (int i = 0; i < G; ++i) {
+        for (int64_t c = 0; c < D / 32; ++c)
+            qv[i][c] = (__m512bh)_mm512_loadu_si512(x.q + i * D + 32 * c);
+        for (int64_t e = 0; e < D / 16; ++e) a[i][e] = _mm512_loadu_ps(x.acc + i * D + 16 * e);
+    }
+    for (int64_t o0 = 0; o0 < x.cnt; o0 += 16) {
+        const int64_t nk = x.cnt - o0 < 16 ? x.cnt - o0 : 16;
+        __mmask16 valid = (__mmask16)((1u << nk) - 1u);
+        if (x.bits != -1)                                    // a tree row: hide non-ancestors
+            for (int64_t j = 0; j < nk; ++j)
+                if (hidden(x.bits, x.first + o0 + j)) valid &= (__mmask16)~(1u << j);
+        __m512 raw[G];
+        if constexpr (TRANSPOSED)
+            transposed_scores<G, D>(x.q, (const uint32_t*)x.keys + o0 / 16 * (D / 2) * 16, raw);
+        else
+            key_scores<G, D>(qv, (const uint16_t*)x.keys + o0 * x.row, x.row, nk, raw);
+        alignas(32) uint32_t wp[G][8];                       // the weights' bfloat16 pairs
+        for (int i = 0; i < G; ++i) {
+            const __m512 sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
+                                                   _mm512_mul_ps(raw[i], _mm512_set1_ps(x.scale)));
+            const float top = _mm512_reduce_max_ps(sc), best = top > x.m[i] ? top : x.m[i];
+            const float alpha = exp_neg16(_mm512_set1_ps(x.m[i] - best))[0];
+            const __m512 w = _mm512_maskz_mov_ps(
+                valid, exp_neg16(_mm512_sub_ps(sc, _mm512_set1_ps(best))));
+            x.l[i] = x.l[i] * alpha + _mm512_reduce_add_ps(w);
+            x.m[i] = best;
+            _mm256_store_si256((__m256i*)wp[i], (__m256i)_mm512_cvtneps_pbh(w));
+            for (int64_t e = 0; e < D / 16; ++e)
+                a[i][e] = _mm512_mul_ps(a[i][e], _mm512_set1_ps(alpha));
+        }
+        const uint32_t* vr = x.vals + o0 / 2 * x.row;
+        for (int64_t p = 0; p < (nk + 1) / 2; ++p) {
+            __m512bh wv[G];
+            for (int i = 0; i < G; ++i) wv[i] = (__m512bh)_mm512_set1_epi32((int)wp[i][p]);
+            for (int64_t e = 0; e < D / 16; ++e) {
+                const __m512bh v = (__m512bh)_mm512_loadu_si512(vr + p * x.row + 16 * e);
+                for (int i = 0; i < G; ++i) a[i][e] = _mm512_dpbf16_ps(a[i][e], v, wv[i]);
+            }
+        }
+    }
+    for (int i = 0; i < G; ++i)
+        for (int64_t e = 0; e < D / 16; ++e) _mm512_storeu_ps(x.acc + i * D + 16 * e, a[i][e]);
+}
+
+// attend_rows for g rows, up to four at a time.
+template <int64_t D, bool TRANSPOSED>
+static void attend_group(RowGroup x, int64_t g) {
+    for (int64_t i = 0; i < g; i += 4) {
+        switch (g - i < 4 ? g - i : 4) {
+            case 1: attend_rows<1, D, TRANSPOSED>(x); break;
+            case 2: attend_rows<2, D, TRANSPOSED>(x); break;
+            case 3: attend_rows<3, D, TRANSPOSED>(x); break;
+            default: attend_rows<4, D, TRANSPOSED>(x);
+        }
+        x.q += 4 * D; x.m += 4; x.l += 4; x.acc += 4 * D;
+    }
+}
+
 // The bfloat16 path on CPUs with AVX512-BF16: q . k straight from the cache's bfloat16 with
 // vdpbf16ps (exact products, float32 sums; 16 keys at a time, reduced by sum16), and p . v too:
 // the weights rounded to bfloat16 (as FlashAttention's P before its PV matmul) against the
@@ -240,72 +361,31 @@ static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
                         const uint32_t* src = (const uint32_t*)(kb + o * row + h * D);
                         for (int64_t c = 0; c < D / 2; ++c) dst[16 * c] = o < n ? src[c] : 0u;
                     }
-            for (int64_t r = 0; r < rows; ++r) {
-                const int64_t seen = ctx + r / hq + 1 - p0;
-                const int64_t cnt = seen < n ? seen : n, kvh = (r % hq) / g;
-                next.fetch_slice(r);
-                if (cnt <= 0) continue;
-                const int64_t bits = row_bits ? row_bits[q0 + r / hq] : -1;
-                __m512bh qv[D / 32];
-                for (int64_t c = 0; c < D / 32; ++c)
-                    qv[c] = (__m512bh)_mm512_loadu_si512(q + (q0 * hq + r) * D + 32 * c);
-                __m512 a[D / 16];
-                for (int64_t e = 0; e < D / 16; ++e) a[e] = _mm512_loadu_ps(&acc[r * D + 16 * e]);
-                for (int64_t o0 = 0; o0 < cnt; o0 += 16) {    // 16 keys: one online-softmax step
-                    const int64_t nk = cnt - o0 < 16 ? cnt - o0 : 16;
-                    __mmask16 valid = (__mmask16)((1u << nk) - 1u);
-                    if (bits != -1)                          // a tree row: hide non-ancestors
-                        for (int64_t j = 0; j < nk; ++j)
-                            if (hidden(bits, p0 + o0 + j - mask_from[s]))
-                                valid &= (__mmask16)~(1u << j);
-                    __m512 raw = _mm512_setzero_ps();
-                    if (transposed) {
-                        const uint32_t* kg = &kt[(kvh * groups + o0 / 16) * (D / 2) * 16];
-                        const uint32_t* qp = (const uint32_t*)(q + (q0 * hq + r) * D);
-                        __m512 a0 = raw, a1 = raw, a2 = raw, a3 = raw;  // four chains of adds
-                        const auto step = [&](__m512 acc, int64_t c) {
-                            return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kg + 16 * c),
-                                                    (__m512bh)_mm512_set1_epi32((int)qp[c]));
-                        };
-                        for (int64_t c = 0; c < D / 2; c += 4) {
-                            a0 = step(a0, c); a1 = step(a1, c + 1);
-                            a2 = step(a2, c + 2); a3 = step(a3, c + 3);
-                        }
-                        raw = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
-                    } else {
-                        __m512 dots[16];
-                        for (int64_t j = 0; j < 16; ++j) {
-                            dots[j] = _mm512_setzero_ps();
-                            if (j >= nk) continue;
-                            const uint16_t* kr = kb + (o0 + j) * row + kvh * D;
-                            for (int64_t c = 0; c < D / 32; ++c)
-                                dots[j] = _mm512_dpbf16_ps(
-                                    dots[j], qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
-                        }
-                        raw = sum16(dots);
-                    }
-                    const __m512 sc = _mm512_mask_blend_ps(
-                        valid, _mm512_set1_ps(-INFINITY),
-                        _mm512_mul_ps(raw, _mm512_set1_ps(scale)));
-                    const float top = _mm512_reduce_max_ps(sc), best = top > m[r] ? top : m[r];
-                    const float alpha = exp_neg16(_mm512_set1_ps(m[r] - best))[0];
-                    const __m512 w = _mm512_maskz_mov_ps(
-                        valid, exp_neg16(_mm512_sub_ps(sc, _mm512_set1_ps(best))));
-                    l[r] = l[r] * alpha + _mm512_reduce_add_ps(w);
-                    m[r] = best;
-                    alignas(32) uint32_t wp[8];             // the weights' bfloat16 pairs
-                    _mm256_store_si256((__m256i*)wp, (__m256i)_mm512_cvtneps_pbh(w));
-                    const __m512 al = _mm512_set1_ps(alpha);
-                    for (int64_t e = 0; e < D / 16; ++e) a[e] = _mm512_mul_ps(a[e], al);
-                    const uint32_t* vr = &vp[o0 / 2 * row + kvh * D];
-                    for (int64_t p = 0; p < (nk + 1) / 2; ++p) {
-                        const __m512bh wv = (__m512bh)_mm512_set1_epi32((int)wp[p]);
-                        for (int64_t e = 0; e < D / 16; ++e)
-                            a[e] = _mm512_dpbf16_ps(
-                                a[e], (__m512bh)_mm512_loadu_si512(vr + p * row + 16 * e), wv);
-                    }
+            for (int64_t r0 = 0; r0 < rows; r0 += g) {           // one token's rows of a KV head
+                const int64_t seen = ctx + r0 / hq + 1 - p0;
+                const int64_t cnt = seen < n ? seen : n, kvh = (r0 % hq) / g;
+                if (cnt <= 0) {
+                    for (int64_t r = r0; r < r0 + g; ++r) next.fetch_slice(r);
+                    continue;
                 }
-                for (int64_t e = 0; e < D / 16; ++e) _mm512_storeu_ps(&acc[r * D + 16 * e], a[e]);
+                const void* keys = transposed ? (const void*)&kt[kvh * groups * (D / 2) * 16]
+                                              : (const void*)(kb + kvh * D);
+                RowGroup x{q + (q0 * hq + r0) * D, keys, &vp[kvh * D], row, cnt,
+                           row_bits ? row_bits[q0 + r0 / hq] : -1,
+                           row_bits ? p0 - mask_from[s] : 0, scale, &m[r0], &l[r0], &acc[r0 * D]};
+                if (transposed) {              // a prompt chunk's rows: four at a time
+                    for (int64_t r = r0; r < r0 + g; ++r) next.fetch_slice(r);
+                    attend_group<D, true>(x, g);
+                    continue;
+                }
+                // A decode's rows one at a time, each after its slice of the next block: with
+                // the rows of a KV head together (their keys and values loaded once) the
+                // compute was 30% faster with the block in cache, but decodes, which read it
+                // from memory, were 10% slower.
+                for (int64_t r = r0; r < r0 + g; ++r, x.q += D, ++x.m, ++x.l, x.acc += D) {
+                    next.fetch_slice(r);
+                    attend_rows<1, D, false>(x);
+                }
             }
         }
         for (int64_t r = 0; r < rows; ++r) {
