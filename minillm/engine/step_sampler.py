@@ -80,6 +80,7 @@ class StepSampler:
     def _draw(self, draws: list[tuple[Sequence, int, Request]], logits: torch.Tensor,
               out: RunnerOutput) -> None:
         """One batched draw for every row in ``draws`` (a row may appear n times)."""
+        draws = sorted(draws, key=lambda d: d[1])    # logits' order: each row once, no copy
         rows = [r for _, r, _ in draws]
         masks = self._masks(draws, logits.shape[-1], out)
         allowed = None if all(m is None for m in masks) else torch.stack(
