@@ -41,6 +41,11 @@ def times(x: float | None, nd: int = 2) -> str:
     return "-" if x is None else f"{x:.{nd}f}x"
 
 
+def ratio(a: float, b: float) -> float | None:
+    """a / b, or None (printed "-") when b is 0: at a load where neither server meets the SLOs."""
+    return a / b if b else None
+
+
 def ms(seconds: float | None, nd: int = 1) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.{nd}f}"
 
@@ -732,8 +737,8 @@ def serve_tables(d: dict, name: str) -> list[str]:
                      [(f"{rate:g} req/s",
                        times(runs["minillm"][rate]["output_tok_s"] /
                              runs["vllm"][rate]["output_tok_s"]),
-                       times(runs["minillm"][rate]["slo_met_per_s"] /
-                             runs["vllm"][rate]["slo_met_per_s"]),
+                       times(ratio(runs["minillm"][rate]["slo_met_per_s"],
+                                   runs["vllm"][rate]["slo_met_per_s"])),
                        times(runs["vllm"][rate]["tpot_p50"] / runs["minillm"][rate]["tpot_p50"]))
                       for rate in d["rates"] if rate in runs["minillm"] and rate in runs["vllm"]])
     return out
@@ -1056,7 +1061,7 @@ def headline_rows(results: Results) -> list[tuple[str, str, str, str, str]]:
                      "(output tok/s)",
                      f"{num(mine['slo_met_per_s'], 2)} ({num(mine['output_tok_s'])})",
                      f"vLLM {num(peer['slo_met_per_s'], 2)} ({num(peer['output_tok_s'])})",
-                     f"{times(mine['slo_met_per_s'] / peer['slo_met_per_s'])} "
+                     f"{times(ratio(mine['slo_met_per_s'], peer['slo_met_per_s']))} "
                      f"({times(mine['output_tok_s'] / peer['output_tok_s'])})", "serve_rate16"))
     if "runtime" in results:
         d = results["runtime"]
