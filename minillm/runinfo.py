@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .device import cpu_features
+from .device import cpu_features, emulated_isa
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,11 @@ def machine_info(device: torch.device, threads: int) -> dict:
         "torch": torch.__version__, "transformers": package_version("transformers"),
         "llama_cpp_python": package_version("llama_cpp_python"), "threads": threads,
         "cores": available_cores(),
-        "cpu_flags": sorted(cpu_features()) if device.type == "cpu" else None}
+        "cpu_flags": sorted(cpu_features()) if device.type == "cpu" else None,
+        **({"emulated_isa": emulated_isa(), "emulated_isa_note": "an AVX2-only CPU's paths on "
+            "this one: C++ kernels built without AVX-512 and VNNI, ATEN_CPU_CAPABILITY="
+            f"{os.environ.get('ATEN_CPU_CAPABILITY')}, ONEDNN_MAX_CPU_ISA="
+            f"{os.environ.get('ONEDNN_MAX_CPU_ISA')}"} if emulated_isa() else {})}
 
 
 def free_port() -> int:

@@ -187,7 +187,18 @@ def llama_cpp_runner(gguf: Path, prompt: list[int], new_tokens: int, threads: in
                 break
 
     return Runner("llama.cpp", "Q4_1", prefill, run, out,
-                  "runs the GGUF file's Q4_1 weights on the CPU")
+                  f"runs the GGUF file's Q4_1 weights on the CPU (built for {llama_cpp_isa()})")
+
+
+def llama_cpp_isa() -> str:
+    """The x86 extensions the loaded llama.cpp was built for, from its system info (``AVX2
+    FMA AVX512 ...``): an AVX2-only build says so in the results."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    on = [name for name, value in re.findall(r"([A-Z0-9_]+) = (\d)", info) if value == "1"]
+    wanted = ("AVX2", "FMA", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI", "AMX_INT8")
+    return " ".join(n for n in wanted if n in on) or "no AVX2"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
