@@ -36,7 +36,8 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
 
-# llama.cpp built for an AVX2-only CPU (no AVX-512, no VNNI) in its own folder: the peer of
+# llama.cpp built for an AVX2-only CPU (no AVX-512, no VNNI) in its own folder (never from pip's
+# cache, which holds the native build): the peer of
 # `MINILLM_CPU_ISA=avx2 PYTHONPATH=$(LLAMA_AVX2) python -m minillm bench runtime` (docs/usage.md).
 LLAMA_AVX2 := .llama-avx2
 LLAMA_AVX2_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
@@ -44,7 +45,7 @@ LLAMA_AVX2_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 llama-avx2: $(LLAMA_AVX2)/.installed
 
 $(LLAMA_AVX2)/.installed: $(STAMP)
-	CMAKE_ARGS="$(LLAMA_AVX2_CMAKE)" $(BIN)/python -m pip install -q --no-deps \
+	CMAKE_ARGS="$(LLAMA_AVX2_CMAKE)" $(BIN)/python -m pip install -q --no-deps --no-cache-dir \
 		--no-binary llama-cpp-python --target $(LLAMA_AVX2) \
 		"llama-cpp-python==$$($(BIN)/python -c 'import llama_cpp; print(llama_cpp.__version__)')"
 	touch $@

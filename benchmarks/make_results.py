@@ -308,7 +308,8 @@ def sec_cpu_attention(d: dict) -> list[str]:
 
 
 AVX2_RUNTIME = ("MINILLM_CPU_ISA=avx2 PYTHONPATH=.llama-avx2 python -m minillm bench runtime "
-                "--out benchmarks/results/runtime_avx2.json "
+                "--configs fp32 fp32+engine bf16+engine int8+engine int4+engine int4@bf16+engine "
+                "--repeats 5 --out benchmarks/results/runtime_avx2.json "
                 "--figure figures/bench_runtime_avx2.png")
 
 
