@@ -79,7 +79,7 @@ ALLOWED: dict[str, set[str]] = {
     "labs.grade": {"labs", "labs.solutions"},
     "labs.__main__": {"labs.grade"},
     "cli": {"bench", "checkpoint", "config", "generate", "serve"},
-    "__main__": {"cli"},
+    "__main__": {"cli", "device"},
     # the top: the public API, and the techniques that register themselves with the core
     "minillm": {"checkpoint", "config", "engine", "model", "quant", "spec_decode", "structured"},
 }
