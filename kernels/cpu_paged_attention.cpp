@@ -315,11 +315,10 @@ static void attend_group(RowGroup x, int64_t g) {
     }
 }
 
-// The bfloat16 path on CPUs with AVX512-BF16: q . k straight from the cache's bfloat16 with
-// vdpbf16ps (exact products, float32 sums; 16 keys at a time, reduced by sum16), and p . v too:
-// the weights rounded to bfloat16 (as FlashAttention's P before its PV matmul) against the
-// block's values paired by pair_values, two keys per instruction into float32 accumulators.
-// Same loop and semantics as attend.
+// The bfloat16 path on CPUs with AVX512-BF16: per block, its values paired (pair_values) and,
+// for a prompt chunk, its keys transposed; then attend_rows for each new token's rows of each
+// KV head (q . k and p . v with vdpbf16ps: exact products, float32 sums). Same loop and
+// semantics as attend.
 template <int64_t D>
 static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                         const int32_t* tables, int64_t width, const int32_t* seq_lens,
