@@ -13,11 +13,11 @@ activations), each through the layer class that calls it (``Int8Linear`` / ``Int
 microseconds a call and their ratio are reported, with the CPU model and flags and the load
 average. The ratio by rows is where ``minillm.quant.linear.KERNEL_ROWS`` comes from.
 
-``--isa avx2`` measures an AVX2-only CPU's paths on this one: our kernels built with
-``-mno-avx512f -mno-avxvnni`` (the C++ then takes its AVX2 branch: 256-bit registers,
-``vpmaddubsw`` + ``vpmaddwd`` for the integer dot products) and PyTorch capped at AVX2 (the
-script re-runs itself with ``ATEN_CPU_CAPABILITY=avx2`` and ``ONEDNN_MAX_CPU_ISA=AVX2``, which
-must be set before PyTorch loads); it writes ``quant_matmul_avx2.json``.
+``--isa avx2`` measures an AVX2-only CPU's paths on this one (``MINILLM_CPU_ISA=avx2``,
+:func:`minillm.device.emulated_isa`: our kernels built without AVX-512 and VNNI, so the C++
+takes its AVX2 branch, 256-bit registers, ``vpmaddubsw`` + ``vpmaddwd`` for the integer dot
+products; ``KERNEL_ROWS`` that CPU's; PyTorch capped at AVX2, for which the script re-runs
+itself with the variables torch reads when it loads); it writes ``quant_matmul_avx2.json``.
 """
 from __future__ import annotations
 
@@ -28,18 +28,15 @@ import sys
 import time
 
 import torch
-from minillm.kernels import cpu_build
-from minillm.kernels import cpu_quant_matmul as qmm
 
 from minillm.bench.common import write_json
+from minillm.device import CPU_ISA_ENV, EMULATED_TORCH_ENV, emulated_isa
 from minillm.quant import linear as qlinear
 from minillm.quant.formats import quantize_int8
 from minillm.quant.quantize import rtn_int4
 from minillm.runinfo import machine_info
 
 KERNEL_ROWS = dict(qlinear.KERNEL_ROWS)  # the package's choice, restored after each measurement
-if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":   # --isa avx2: that CPU's choice
-    KERNEL_ROWS = dict(qlinear.AVX2_KERNEL_ROWS)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "head": (49152, 576)}
 
@@ -87,11 +84,10 @@ def main() -> None:
                             ("_avx2" if args.isa == "avx2" else "") + ".json")
     isa = {"isa": "native"}
     if args.isa == "avx2":
-        if os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":         # before torch loads
-            env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-            os.execve(sys.executable, [sys.executable, *sys.argv], env)
-        qmm.LIBRARY = cpu_build.Library("quant_matmul_avx2", qmm.SOURCE, qmm.LIBRARY.signatures,
-                                        ("-mno-avx512f", "-mno-avxvnni"), qmm.SOURCE_FILE)
+        want = {CPU_ISA_ENV: "avx2", **EMULATED_TORCH_ENV["avx2"]}
+        if any(os.environ.get(k) != v for k, v in want.items()):     # before torch loads
+            os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | want)
+        assert emulated_isa() == "avx2"
         isa = {"isa": "avx2", "isa_note": "an AVX2-only CPU's paths on this one: kernels built "
                "-mno-avx512f -mno-avxvnni, ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2",
                "aten_capability": torch.backends.cpu.get_cpu_capability()}
