@@ -66,3 +66,29 @@ def test_a_shard_holds_the_targets_replies_and_its_own_questions(small_stdlib, r
     assert "volcano" in first.lower() and C.SELF_ASK[:20] not in first   # its own question
     replies = [shard["tokens"][offsets[i] + plens[i]:offsets[i + 1]] for i in range(2)]
     assert all(1 <= len(r) <= 6 for r in replies) and shard["tokens"].dtype == torch.int32
+
+
+def test_shards_are_stored_whole_and_read_back_exactly(tmp_path):
+    """A shard goes to disk as compressed uint16 ids and comes back as it was; the corpus
+    joins the shards in order, rebases their offsets and holds out the last one."""
+    def shard(tokens, lens, plens, kinds):
+        return {"tokens": torch.tensor(tokens, dtype=torch.int32),
+                "offsets": torch.tensor([0, *lens]).cumsum(0),
+                "prompt_lens": torch.tensor(plens), "kinds": kinds}
+    a = shard([1, 2, 49151, 5, 6], [3, 2], [2, 1], ["chat", "self"])
+    b = shard([7, 8, 9, 10], [4], [3], ["code"])
+    distill.save_corpus_shard(a, tmp_path / "shard-0000.npz")
+    distill.save_corpus_shard(b, tmp_path / "shard-0001.npz")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-0000.npz", "shard-0001.npz"]
+    back = distill.read_corpus_shard(tmp_path / "shard-0000.npz")
+    for key in ("tokens", "offsets", "prompt_lens"):
+        assert torch.equal(back[key], a[key]) and back[key].dtype == a[key].dtype
+    assert back["kinds"] == a["kinds"]
+    data = distill.load_corpus(tmp_path)
+    assert data["tokens"].tolist() == [1, 2, 49151, 5, 6, 7, 8, 9, 10]
+    assert data["offsets"].tolist() == [0, 3, 5, 9] and data["heldout"] == 1
+    assert data["kinds"] == ["chat", "self", "code"]
+    with pytest.raises(ValueError, match="uint16"):
+        distill.save_corpus_shard(shard([70000], [1], [1], ["chat"]), tmp_path / "x.npz")
+    with pytest.raises(FileNotFoundError, match="no corpus shards"):
+        distill.load_corpus(tmp_path / "empty")

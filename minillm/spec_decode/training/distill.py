@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -109,13 +110,12 @@ def load_dataset(data_dir: Path | None = None) -> dict:
         raise FileNotFoundError(f"no distillation shards in {data_dir}: run `python -m "
                                 f"minillm.spec_decode.training.train --data-only` (or make "
                                 f"drafters)")
-    return join_shards(paths) | {"prompts": TRAINING_PROMPTS}
+    return join_shards([torch.load(p) for p in paths]) | {"prompts": TRAINING_PROMPTS}
 
 
-def join_shards(paths: list[Path]) -> dict:
-    """The shards at ``paths`` as one dataset: tokens [N], offsets [S + 1] (rebased),
-    prompt_lens [S], kinds [S], and features [N, D] when the shards hold them."""
-    parts = [torch.load(p) for p in paths]
+def join_shards(parts: list[dict]) -> dict:
+    """Shards as one dataset: tokens [N], offsets [S + 1] (rebased), prompt_lens [S], kinds
+    [S], and features [N, D] when the shards hold them."""
     base = torch.tensor([0] + [int(p["offsets"][-1]) for p in parts]).cumsum(0)
     out = {"tokens": torch.cat([p["tokens"] for p in parts]),
            "offsets": torch.cat([parts[0]["offsets"][:1]] +
@@ -129,21 +129,51 @@ def join_shards(paths: list[Path]) -> dict:
 
 # ---------------------------------------------------------------------------------- at scale
 
+CORPUS_SHARDS = Path(__file__).with_name("corpus_shards")
+
+
 def corpus_data_dir() -> Path:
-    return cache_dir() / "spec-corpus"
+    """The corpus shards, kept in the repository beside this module: made once (about two
+    CPU-hours for 40 shards), they are token ids only, about 0.2 MB a shard compressed."""
+    return CORPUS_SHARDS
+
+
+def save_corpus_shard(shard: dict, path: Path) -> None:
+    """Write a corpus shard (:func:`make_corpus_shard`) to ``path`` (``.npz``) whole or not at
+    all: token ids as uint16 (the vocabulary has 49,152 ids), compressed."""
+    if int(shard["tokens"].max()) > np.iinfo(np.uint16).max:
+        raise ValueError("token ids above 65,535 do not fit a corpus shard's uint16")
+    tmp = path.with_name(f".{path.name}")              # unseen by the shard-*.npz glob
+    np.savez_compressed(tmp, tokens=shard["tokens"].numpy().astype(np.uint16),
+                        offsets=shard["offsets"].numpy(),
+                        prompt_lens=shard["prompt_lens"].numpy(),
+                        kinds=np.array(shard["kinds"], dtype=str))
+    tmp.rename(path)
+
+
+def read_corpus_shard(path: Path) -> dict:
+    """A shard written by :func:`save_corpus_shard`: tokens int32 [N], offsets int64 [S + 1],
+    prompt_lens int64 [S], kinds [S]."""
+    with np.load(path) as f:
+        return {"tokens": torch.from_numpy(f["tokens"].astype(np.int32)),
+                "offsets": torch.from_numpy(f["offsets"].astype(np.int64)),
+                "prompt_lens": torch.from_numpy(f["prompt_lens"].astype(np.int64)),
+                "kinds": f["kinds"].tolist()}
+
+
+def corpus_shard_paths(data_dir: Path | None = None) -> list[Path]:
+    return sorted(Path(data_dir or corpus_data_dir()).glob("shard-*.npz"))
 
 
 def load_corpus(data_dir: Path | None = None) -> dict:
     """The corpus shards joined (token ids only): tokens [N], offsets [S + 1], prompt_lens
     [S], kinds; ``heldout``: the last shard's sequences, held out; ``prompts``: their source."""
-    data_dir = Path(data_dir or corpus_data_dir())
-    paths = sorted(data_dir.glob("shard-*.pt"))
-    if not paths:
-        raise FileNotFoundError(f"no corpus shards in {data_dir}: run `python -m "
-                                f"minillm.spec_decode.training.distill`")
-    data = join_shards(paths)
-    data["heldout"] = len(torch.load(paths[-1], mmap=True)["prompt_lens"]) \
-        if len(paths) > 1 else 0
+    parts = [read_corpus_shard(p) for p in corpus_shard_paths(data_dir)]
+    if not parts:
+        raise FileNotFoundError(f"no corpus shards in {data_dir or corpus_data_dir()}: run "
+                                f"`python -m minillm.spec_decode.training.distill`")
+    data = join_shards(parts)
+    data["heldout"] = len(parts[-1]["prompt_lens"]) if len(parts) > 1 else 0
     data["prompts"] = CORPUS_PROMPTS
     return data
 
@@ -192,7 +222,7 @@ def make_corpus_dataset(out_dir: Path | None = None, num_prompts: int = 20000,
     out_dir = Path(out_dir or corpus_data_dir())
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = range(0, num_prompts, shard_size)
-    todo = [s for s in shards if not (out_dir / f"shard-{s // shard_size:04d}.pt").exists()]
+    todo = [s for s in shards if not (out_dir / f"shard-{s // shard_size:04d}.npz").exists()]
     if not todo:
         return out_dir
     llm = LLM(model, max_num_seqs=max_num_seqs)
@@ -200,9 +230,7 @@ def make_corpus_dataset(out_dir: Path | None = None, num_prompts: int = 20000,
     bar = tqdm(todo, desc="corpus shards", initial=len(shards) - len(todo), total=len(shards))
     for start in bar:
         shard = make_corpus_shard(llm, prompts[start:start + shard_size], start, max_tokens)
-        path = out_dir / f"shard-{start // shard_size:04d}.pt"
-        torch.save(shard, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").rename(path)
+        save_corpus_shard(shard, out_dir / f"shard-{start // shard_size:04d}.npz")
         bar.set_postfix(tokens=int(shard["offsets"][-1]))
     return out_dir
 
