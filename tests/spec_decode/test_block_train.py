@@ -9,6 +9,7 @@ from test_spec_train import synthetic_data
 
 from minillm import load_model
 from minillm.spec_decode import weights
+from minillm.spec_decode.training import batches as TB
 from minillm.spec_decode.training import block_train as BT
 from minillm.spec_decode.training import train as T
 
@@ -36,7 +37,7 @@ def small(monkeypatch):
 
 
 def batch_of(data, target, seed=0):
-    b = T.sample_batch(data, T.split(data)[0], torch.Generator().manual_seed(seed), 4, 24)
+    b = TB.sample_batch(data, TB.split(data)[0], torch.Generator().manual_seed(seed), 4, 24)
     return b.to(target.device, target.dtype)
 
 
@@ -44,7 +45,7 @@ def setup(target, data):
     torch.manual_seed(0)
     cfg = T.drafter_config("dflash", target, draft_vocab=64)
     drafter = T.build_drafter(cfg, target).train()
-    ids = T.draft_vocabulary(data, 64)
+    ids = TB.draft_vocabulary(data, 64)
     return drafter, T.DraftHead(target.lm_head.weight, ids), T.vocab_lookup(ids, 49152)
 
 

@@ -12,6 +12,7 @@ from test_spec_train import synthetic_data
 from minillm import load_model
 from minillm.spec_decode import weights
 from minillm.spec_decode.drafters import MaskedAttention, build_drafter, eagle3_layers
+from minillm.spec_decode.training import batches as TB
 from minillm.spec_decode.training import eagle3 as E
 from minillm.spec_decode.training import train as T
 
@@ -77,7 +78,7 @@ def test_step_j_rows_are_the_serving_time_draft(target, drafter, data):
 def test_loss_falls_when_overfitting_one_batch(target, data):
     torch.manual_seed(0)
     module = build_drafter(T.drafter_config("eagle3", target, 64), target).train()
-    ids = T.draft_vocabulary(data, 64)
+    ids = TB.draft_vocabulary(data, 64)
     head = T.DraftHead(target.lm_head.weight, ids)
     lookup = T.vocab_lookup(ids, target.cfg.vocab_size)
     opt = T.make_optimizer(module, target)

@@ -20,8 +20,8 @@ from minillm.spec_decode.blocks import early_exit, fill_budget
 from minillm.spec_decode.drafters import DrafterConfig, DraftHead, build_drafter
 from minillm.spec_decode.proposers import PagedDrafter
 from minillm.spec_decode.speculator import build_speculator
+from minillm.spec_decode.training.batches import Batch
 from minillm.spec_decode.training.block_train import block_inputs, markov_decode
-from minillm.spec_decode.training.train import Batch
 from minillm.spec_decode.trees import best_first_tree
 
 

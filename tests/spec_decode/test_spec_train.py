@@ -10,6 +10,7 @@ import torch
 from minillm import load_model
 from minillm.spec_decode import weights
 from minillm.spec_decode.drafters import OOV
+from minillm.spec_decode.training import batches as TB
 from minillm.spec_decode.training import train as T
 
 
@@ -42,7 +43,7 @@ def data(target):
 
 
 def test_draft_vocabulary(data):
-    ids = T.draft_vocabulary(data, 40)
+    ids = TB.draft_vocabulary(data, 40)
     assert len(ids) == 40 and torch.equal(ids, ids.unique())       # sorted, no repeats
     assert {0, 1, 2} <= set(ids.tolist())
     assert ids.max() < 60                      # reply tokens only: prompt ids reach 400
@@ -59,9 +60,9 @@ def test_overfits_one_batch(method, target, data):
     torch.manual_seed(0)
     cfg = T.drafter_config(method, target, draft_vocab=64)
     drafter = T.build_drafter(cfg, target).train()
-    ids = T.draft_vocabulary(data, 64)
+    ids = TB.draft_vocabulary(data, 64)
     head, lookup = T.DraftHead(target.lm_head.weight, ids), T.vocab_lookup(ids, 49152)
-    batch = T.sample_batch(data, T.split(data)[0], torch.Generator().manual_seed(0), 4, 24)
+    batch = TB.sample_batch(data, TB.split(data)[0], torch.Generator().manual_seed(0), 4, 24)
     batch = batch.to(target.device, target.dtype)
     opt = T.make_optimizer(drafter, target)
     for g in opt.param_groups:
@@ -125,16 +126,16 @@ def test_live_features_are_the_stored_ones(target, data):
     that does not start at a sequence's first token is refused."""
     tokens_only = {k: v for k, v in data.items() if k != "features"}
     gen = torch.Generator().manual_seed(0)
-    live = T.LiveFeatures(target, next_tokens=True)
-    batch = live(T.sample_whole(tokens_only, torch.arange(12), gen, 4, 64))
-    stored = T.make_batch(data, [(s, 0) for s in _rows_of(batch, data)], 64)
+    live = TB.LiveFeatures(target, next_tokens=True)
+    batch = live(TB.sample_whole(tokens_only, torch.arange(12), gen, 4, 64))
+    stored = TB.make_batch(data, [(s, 0) for s in _rows_of(batch, data)], 64)
     real = torch.arange(batch.tokens.shape[1])[None] < batch.lengths[:, None]
     torch.testing.assert_close(batch.features[real].to(torch.bfloat16), stored.features[real],
                                atol=2e-2, rtol=2e-2)
     with torch.no_grad():
         assert torch.equal(batch.target_next, target(batch.tokens).argmax(-1))
     with pytest.raises(ValueError, match="first token"):
-        live(T.make_batch(tokens_only, [(0, 3)], 16))
+        live(TB.make_batch(tokens_only, [(0, 3)], 16))
 
 
 def _rows_of(batch, data) -> list[int]:
@@ -153,7 +154,7 @@ def test_run_on_token_ids_with_live_features(target, data, tmp_path, monkeypatch
     monkeypatch.setattr(T, "checkpoint_path", lambda m: tmp_path / f"{m}.ckpt")
     tokens_only = {k: v for k, v in data.items() if k != "features"}
     pt = T.run("mtp", target, tokens_only, steps=3, out=tmp_path / "mtp.pt",
-               live=T.LiveFeatures(target))
+               live=TB.LiveFeatures(target))
     _, _, man = weights.load_drafter("mtp", target, pt)
     assert man["steps"] == 3 and len(man["heldout_accuracy"]) == T.EVAL_DEPTH
 
@@ -168,8 +169,8 @@ def test_whole_sequence_batches_hold_rows_of_about_one_length():
             "prompt_lens": torch.full((1000,), 4)}
     gen, spans, seen = torch.Generator().manual_seed(0), [], set()
     for _ in range(200):
-        batch = T.sample_whole(data, torch.arange(1000), gen, 8, 2000)
+        batch = TB.sample_whole(data, torch.arange(1000), gen, 8, 2000)
         assert int(batch.positions[:, 0].max()) == 0
         spans.append(int(batch.lengths.max() - batch.lengths.min()))
         seen.add(int(batch.lengths[0]) // 100)
-    assert max(spans) < T.NEIGHBOURS and set(range(10)) <= seen
+    assert max(spans) < TB.NEIGHBOURS and set(range(10)) <= seen

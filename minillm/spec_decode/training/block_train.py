@@ -37,21 +37,8 @@ from tqdm.auto import tqdm
 
 from ..drafters import BlockDrafter, DraftHead
 from . import distill
-from .train import (
-    BATCH,
-    CLIP,
-    WINDOW,
-    Batch,
-    LiveFeatures,
-    State,
-    Trained,
-    checkpoint_path,
-    lr_at,
-    make_batch,
-    sample_batch,
-    save_checkpoint,
-    split,
-)
+from .batches import BATCH, WINDOW, Batch, LiveFeatures, make_batch, sample_batch, split
+from .train import CLIP, State, Trained, checkpoint_path, lr_at, save_checkpoint
 
 ANCHORS = 12
 GAMMA = 3.0

@@ -33,18 +33,8 @@ import torch.nn.functional as F
 from ...model.transformer import Transformer
 from .. import weights
 from . import distill
-from .train import (
-    Batch,
-    Trained,
-    ahead,
-    ce,
-    evaluate,
-    labels_at,
-    run_facts,
-    sample_whole,
-    split,
-    train,
-)
+from .batches import Batch, sample_whole, split
+from .train import Trained, ahead, ce, evaluate, labels_at, run_facts, train
 
 STEPS = 4                 # training-time test depth
 DECAY = 0.8               # weight of step j: DECAY^(j-1)
