@@ -108,9 +108,10 @@ drafters: setup
 	$(BIN)/python -m minillm.spec_decode.training.train all
 
 # EAGLE-3 on the large corpus: the target's replies to 20,000 prompts from the standard
-# library's docs and code and from its own questions (about 2 hours on 2 CPU cores at 128
-# sequences at once, resumable), then training with training-time test (resumable; --device
-# cuda on a GPU).
+# library's docs and code and from its own questions (about 2.5 hours on 2 CPU cores at 128
+# sequences at once, resumable; its shards of token ids are kept in the repository, in
+# minillm/spec_decode/training/corpus_shards/), then training with training-time test
+# (resumable; --device cuda on a GPU).
 drafters-corpus: setup
 	$(BIN)/python -m minillm.spec_decode.training.distill
 	$(BIN)/python -m minillm.spec_decode.training.eagle3
