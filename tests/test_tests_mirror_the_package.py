@@ -27,6 +27,10 @@ TESTED_ELSEWHERE = {
                                       "test_hf_interop.py",
     "minillm.checkpoint.tokenizer": "the conftest's tokenizer fixture: tests/checkpoint/"
                                     "test_tokenizer.py",
+    "minillm.course.placement.search": "goodput and the placement search through "
+                                       "minillm.course.placement: tests/course/test_placement.py",
+    "minillm.course.placement.simulator": "the simulator through minillm.course.placement: "
+                                          "tests/course/test_placement.py",
     "minillm.disagg.worker": "the worker processes DisaggLLM starts: tests/disagg/",
     "minillm.engine.handoff": "DisaggLLM's adoption of prefilled KV: tests/disagg/",
     "minillm.engine.intake": "LLMEngine.add_request's checks: tests/engine/test_engine.py",
