@@ -99,3 +99,21 @@ def test_run_writes_a_drafter_that_loads(target, data, tmp_path, monkeypatch):
     assert man["steps"] == 3 and len(man["heldout_accuracy"]) == 5
     assert module.cfg.target_layers == eagle3_layers(target.cfg.n_layers)
     assert len(head.ids) == 64
+
+
+def test_a_warm_start_begins_from_the_file_and_keeps_its_vocabulary(target, data, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.setattr(T, "DRAFT_VOCAB", 64)
+    monkeypatch.setattr(T, "checkpoint_path", lambda m: tmp_path / f"{m}.ckpt")
+    first = E.run(target, data, steps=3, out=tmp_path / "a" / "eagle3.pt")
+    start, head, _ = weights.load_drafter("eagle3", target, first)
+    fresh = build_drafter(T.drafter_config("eagle3", target, 64), target)
+    ids = T.warm_start("eagle3", target, fresh, first)
+    assert torch.equal(ids, head.ids.cpu())
+    for name, p in T.own_parameters(start, target).items():
+        assert torch.equal(p, T.own_parameters(fresh, target)[name]), name
+    second = E.run(target, data, steps=2, fresh=True, out=tmp_path / "b" / "eagle3.pt",
+                   warm_from=first)
+    _, head2, man = weights.load_drafter("eagle3", target, second)
+    assert man["steps"] == 2 and man["warm_start"]["steps"] == 3
+    assert torch.equal(head2.ids, head.ids)

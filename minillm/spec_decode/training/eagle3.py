@@ -17,7 +17,7 @@ first token, at most ``WIDTH``), so the target's states can be recomputed exactl
   row predicts x_{t+2}: cross-entropy only (no feature regression), step j weighted
   ``DECAY^(j-1)``.
 
-    python -m minillm.spec_decode.training.eagle3 [--steps N] [--fresh] [--device cuda]
+    python -m minillm.spec_decode.training.eagle3 [--steps N] [--fresh] [--warm] [--device cuda]
 
 Shapes: B sequences, T positions, D the target's width, m the feature layers.
 """
@@ -34,7 +34,7 @@ from ...model.transformer import Transformer
 from .. import weights
 from . import distill
 from .batches import Batch, sample_whole, split
-from .train import Trained, ahead, ce, evaluate, labels_at, run_facts, train
+from .train import Trained, ahead, ce, evaluate, labels_at, run_facts, train, warm_origin
 
 STEPS = 4                 # training-time test depth
 DECAY = 0.8               # weight of step j: DECAY^(j-1)
@@ -149,10 +149,13 @@ def train_eagle3(target: Transformer, data: dict, steps: int,
 
 
 def run(target: Transformer, data: dict, steps: int | None = None, fresh: bool = False,
-        out: Path | None = None) -> Path:
-    """Train, measure on the held-out sequences, write the weights and their manifest."""
+        out: Path | None = None, warm_from: Path | None = None) -> Path:
+    """Train, measure on the held-out sequences, write the weights and their manifest
+    (``warm_from``: a drafter file to start from; the manifest names the run it came from)."""
     served = serving_copy(target)
-    trained = train_eagle3(target, data, steps or DEFAULT_STEPS, served, fresh=fresh)
+    before = warm_origin("eagle3", warm_from) if warm_from else None
+    trained = train_eagle3(target, data, steps or DEFAULT_STEPS, served, fresh=fresh,
+                           warm_from=warm_from)
     scores = evaluate("eagle3", trained.drafter, trained.head, target, data, split(data)[1],
                       trained.lookup, BATCH, WIDTH, whole=True,
                       states_fn=lambda d, t, b: eval_states(d, t, b, served))
@@ -160,6 +163,8 @@ def run(target: Transformer, data: dict, steps: int | None = None, fresh: bool =
     manifest = run_facts("minillm/spec_decode/training/eagle3.py", data, st, target.device)
     manifest |= {"ttt_steps": STEPS, "heldout_accuracy": scores["heldout_accuracy"],
                  "features_dtype": str(served.dtype).removeprefix("torch.")}
+    if before:
+        manifest["warm_start"] = before
     path = weights.save_drafter(trained.drafter, target, trained.cfg, st.draft_ids, manifest,
                                 path=out)
     print(f"eagle3: held-out accuracy by step {scores['heldout_accuracy']} -> {path}")
@@ -174,11 +179,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fresh", action="store_true", help="ignore a saved checkpoint")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--data", type=Path, default=None, help="corpus shards' folder")
+    p.add_argument("--warm", action="store_true",
+                   help="start from the shipped weights (continued training on more data)")
     args = p.parse_args(argv)
     from ...checkpoint.loader import load_model
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target, _ = load_model("smollm2-135m", device=device, dtype=torch.float32)
-    run(target, distill.load_corpus(args.data), args.steps, args.fresh)
+    warm_from = weights.weight_files("eagle3")[0] if args.warm else None
+    run(target, distill.load_corpus(args.data), args.steps, args.fresh, warm_from=warm_from)
 
 
 if __name__ == "__main__":

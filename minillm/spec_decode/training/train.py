@@ -32,12 +32,14 @@ and a rerun continues from it. The last shard's sequences are held out for the a
 manifest.
 
     python -m minillm.spec_decode.training.train [eagle|mtp|medusa|draft_model|dflash|all] \
-        [--steps N] [--fresh] [--corpus] [--device cuda]
+        [--steps N] [--fresh] [--corpus] [--warm] [--device cuda]
     python -m minillm.spec_decode.training.train --data-only
 
 ``--corpus`` trains on the corpus of :func:`.distill.make_corpus_dataset` (token ids only):
 batches are windows from each sequence's first token and their features are computed by the
-target in its serving dtype as they are drawn (:class:`.batches.LiveFeatures`).
+target in its serving dtype as they are drawn (:class:`.batches.LiveFeatures`). ``--warm``
+starts from the shipped weights (and their draft vocabulary) instead of a random drafter, for
+continued training on more data; the manifest's ``warm_start`` names the run they came from.
 
 Shapes: B windows, T positions, D the target's width, V its vocabulary, Vd the draft one.
 """
@@ -296,6 +298,24 @@ def load_checkpoint(path: Path, drafter, opt) -> State:
     return State(blob["step"], blob["losses"], blob["seconds"], blob["draft_ids"], gen)
 
 
+def warm_start(method: str, target: Transformer, drafter: nn.Module, path: Path
+               ) -> torch.Tensor:
+    """Copy the weights of the ``method`` drafter file ``path`` into ``drafter`` (continued
+    training on more data: the schedule restarts, the steps count afresh); returns its draft
+    vocabulary, which the head must keep."""
+    start, head, _ = weights.load_drafter(method, target, path)
+    drafter.load_state_dict(own_parameters(start, target), strict=False)
+    return head.ids.cpu()
+
+
+def warm_origin(method: str, path: Path) -> dict:
+    """What a warm start starts from: that run's data, steps, loss, commit, seconds (and its
+    own warm start, if it had one)."""
+    start = weights.read_manifest(method, path)
+    return {k: start[k] for k in ("data", "steps", "final_loss", "commit", "seconds",
+                                  "warm_start") if k in start}
+
+
 @dataclass
 class Trained:
     drafter: nn.Module
@@ -308,9 +328,10 @@ class Trained:
 def train(method: str, target: Transformer, data: dict, steps: int, *, fresh: bool = False,
           ckpt: Path | None = None, draft_vocab: int | None = None, batch: int = BATCH,
           width: int = WINDOW, seed: int = 0, progress: bool = True, loss_fn=None,
-          sample=None) -> Trained:
+          sample=None, warm_from: Path | None = None) -> Trained:
     """Train (or resume training) ``method``'s drafter for ``steps`` steps in all
-    (``loss_fn``: instead of LOSSES[method]; ``sample``: instead of :func:`sample_batch`)."""
+    (``loss_fn``: instead of LOSSES[method]; ``sample``: instead of :func:`sample_batch`;
+    ``warm_from``: a drafter file a new run starts from, see :func:`warm_start`)."""
     ckpt, draft_vocab = ckpt or checkpoint_path(method), draft_vocab or DRAFT_VOCAB
     cfg = drafter_config(method, target, draft_vocab)
     torch.manual_seed(seed)
@@ -318,6 +339,9 @@ def train(method: str, target: Transformer, data: dict, steps: int, *, fresh: bo
     opt = make_optimizer(drafter, target)
     if ckpt.exists() and not fresh:
         st = load_checkpoint(ckpt, drafter, opt)
+    elif warm_from is not None:
+        st = State(0, [], 0.0, warm_start(method, target, drafter, warm_from),
+                   torch.Generator().manual_seed(seed))
     else:
         st = State(0, [], 0.0, draft_vocabulary(data, draft_vocab),
                    torch.Generator().manual_seed(seed))
@@ -379,17 +403,20 @@ def manifest(method: str, data: dict, trained: Trained, scores: dict) -> dict:
 
 def run(method: str, target: Transformer, data: dict, steps: int | None = None,
         fresh: bool = False, out: Path | None = None,
-        live: LiveFeatures | None = None) -> Path:
+        live: LiveFeatures | None = None, warm_from: Path | None = None) -> Path:
     """Train ``method``, measure it on the held-out sequences, write weights + manifest.
-    ``live``: features computed per batch (data of token ids only: the corpus)."""
+    ``live``: features computed per batch (data of token ids only: the corpus);
+    ``warm_from``: a drafter file to start from (:func:`warm_start`)."""
+    before = warm_origin(method, warm_from) if warm_from else None
     trained = train(method, target, data, steps or DEFAULT_STEPS[method], fresh=fresh,
-                    sample=live.sampler() if live else None)
+                    sample=live.sampler() if live else None, warm_from=warm_from)
     states_fn = (lambda d, t, b: eval_states(method, d, t, live(b).to(t.device, t.dtype))) \
         if live else None
     scores = evaluate(method, trained.drafter, trained.head, target, data, split(data)[1],
                       trained.lookup, states_fn=states_fn, whole=live is not None)
+    facts = manifest(method, data, trained, scores) | ({"warm_start": before} if before else {})
     path = weights.save_drafter(trained.drafter, target, trained.cfg, trained.state.draft_ids,
-                                manifest(method, data, trained, scores), path=out)
+                                facts, path=out)
     print(f"{method}: held-out accuracy {scores['heldout_accuracy']} -> {path} "
           f"({path.stat().st_size / 1e6:.1f} MB)")
     return path
@@ -407,6 +434,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="train on the corpus (python -m minillm.spec_decode.training.distill; "
                         "token ids, features computed per batch) instead of the templated set")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--warm", action="store_true",
+                   help="start from the shipped weights (continued training on more data)")
     args = p.parse_args(argv)
     if not args.corpus and (args.data_only or args.method == "all"):
         distill.make_dataset()
@@ -424,7 +453,8 @@ def main(argv: list[str] | None = None) -> None:
             run_block(target, data, args.steps, args.fresh, served=served)
         else:
             run(method, target, data, args.steps, args.fresh,
-                live=LiveFeatures(served) if served is not None else None)
+                live=LiveFeatures(served) if served is not None else None,
+                warm_from=weights.weight_files(method)[0] if args.warm else None)
 
 
 if __name__ == "__main__":
