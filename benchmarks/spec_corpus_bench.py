@@ -1,16 +1,15 @@
 """A trained drafter where it is trained to work: held-out corpus prompts against the benchmark's.
 
-    python benchmarks/spec_corpus_bench.py [--method eagle3] [--shard shard-0011.npz]
+    python benchmarks/spec_corpus_bench.py [--method eagle3] [--shard shard-0039.npz]
                                            [--prompts 12] [--max-tokens 64]
 
 ``python -m minillm bench spec`` measures every drafter on the prompt bank's held-out topics,
 whose templates the corpus-trained drafters never saw. This script asks how much of the gap
 to the drafter's held-out accuracy is the prompts: it measures the same engine configurations
 on ``--prompts`` prompts taken evenly from one corpus shard that the drafter's training held out
-(``minillm.spec_decode.training.distill.load_corpus`` holds out the last shard it finds; the
-EAGLE-3 weights shipped now were trained on 12 shards, so ``shard-0011.npz``; the corpus folder is
-``minillm/spec_decode/training/corpus_shards``, made by ``python -m
-minillm.spec_decode.training.distill``),
+(``minillm.spec_decode.training.distill.load_corpus`` holds out the last shard it finds, the
+default here; the corpus folder is ``minillm/spec_decode/training/corpus_shards``, made by
+``python -m minillm.spec_decode.training.distill``),
 and on as many of the benchmark's prompts (chat and free kinds), each against the plain engine
 on the same prompts, at batch 1, greedy. Configurations: a chain of 4 (``tree_topk`` 1), a
 4-node tree of depth 2, EAGLE-2's 16-node tree of depth 5. It prints one table (speedup,
@@ -27,7 +26,11 @@ from minillm import SamplingParams, load_model
 from minillm.bench.spec import chat_prompts, measure
 from minillm.device import serving_dtype
 from minillm.runinfo import machine_info
-from minillm.spec_decode.training.distill import corpus_data_dir, read_corpus_shard
+from minillm.spec_decode.training.distill import (
+    corpus_data_dir,
+    corpus_shard_paths,
+    read_corpus_shard,
+)
 
 CONFIGS = {"chain of 4": (4, {"tree_topk": 1, "tree_nodes": 4}),
            "tree of 4, depth 2": (2, {"tree_topk": 2, "tree_nodes": 4}),
@@ -46,11 +49,14 @@ def shard_prompts(path: os.PathLike, n: int) -> list[list[int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--method", default="eagle3", choices=("eagle", "eagle3"))
-    parser.add_argument("--shard", default="shard-0011.npz",
-                        help="a shard in the corpus folder that the drafter's training held out")
+    parser.add_argument("--shard", default=None,
+                        help="a shard in the corpus folder that the drafter's training held out "
+                             "(default: the last one, which training holds out)")
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
+    shards = corpus_shard_paths()
+    args.shard = args.shard or (shards[-1].name if shards else "shard-0039.npz")
     path = corpus_data_dir() / args.shard
     if not path.exists():
         raise SystemExit(f"--shard {args.shard}: no {path} (make the corpus with `python -m "
