@@ -13,6 +13,7 @@ from minillm import load_model
 from minillm.spec_decode import weights
 from minillm.spec_decode.drafters import MaskedAttention, build_drafter, eagle3_layers
 from minillm.spec_decode.training import batches as TB
+from minillm.spec_decode.training import checkpoints as C
 from minillm.spec_decode.training import eagle3 as E
 from minillm.spec_decode.training import train as T
 
@@ -108,7 +109,7 @@ def test_a_warm_start_begins_from_the_file_and_keeps_its_vocabulary(target, data
     first = E.run(target, data, steps=3, out=tmp_path / "a" / "eagle3.pt")
     start, head, _ = weights.load_drafter("eagle3", target, first)
     fresh = build_drafter(T.drafter_config("eagle3", target, 64), target)
-    ids = T.warm_start("eagle3", target, fresh, first)
+    ids = C.warm_start("eagle3", target, fresh, first)
     assert torch.equal(ids, head.ids.cpu())
     for name, p in T.own_parameters(start, target).items():
         assert torch.equal(p, T.own_parameters(fresh, target)[name]), name

@@ -38,7 +38,8 @@ from tqdm.auto import tqdm
 from ..drafters import BlockDrafter, DraftHead
 from . import distill
 from .batches import BATCH, WINDOW, Batch, LiveFeatures, make_batch, sample_batch, split
-from .train import CLIP, State, Trained, checkpoint_path, lr_at, save_checkpoint
+from .checkpoints import State, checkpoint_path, save_checkpoint
+from .train import CLIP, Trained, lr_at
 
 ANCHORS = 12
 GAMMA = 3.0

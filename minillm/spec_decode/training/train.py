@@ -80,6 +80,7 @@ from .batches import (
     sample_batch,
     split,
 )
+from .checkpoints import State, checkpoint_path, load_checkpoint, save_checkpoint, warm_start
 
 CONFIGS = {"eagle": dict(layers=1, ffn_dim=1536), "mtp": dict(layers=1, ffn_dim=1536),
            "eagle3": dict(layers=1, ffn_dim=1536),
@@ -265,49 +266,6 @@ def compute_dtype(target: Transformer) -> torch.dtype | None:
     from ...device import serving_dtype
     served, _ = serving_dtype(None, target.device)
     return served if target.dtype == torch.float32 and served == torch.bfloat16 else None
-
-
-def checkpoint_path(method: str) -> Path:
-    return distill.cache_dir() / "spec-train" / f"{method}.ckpt"
-
-
-@dataclass
-class State:
-    """What a checkpoint holds besides the drafter and the optimizer."""
-
-    step: int
-    losses: list[float]
-    seconds: float
-    draft_ids: torch.Tensor
-    gen: torch.Generator
-
-
-def save_checkpoint(path: Path, drafter, target, opt, st: State) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    blob = {"drafter": {k: v.detach() for k, v in own_parameters(drafter, target).items()},
-            "optimizer": opt.state_dict(), "step": st.step, "losses": st.losses,
-            "seconds": st.seconds, "draft_ids": st.draft_ids, "rng": st.gen.get_state()}
-    torch.save(blob, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)                   # whole or absent
-
-
-def load_checkpoint(path: Path, drafter, opt) -> State:
-    blob = torch.load(path, map_location="cpu")
-    drafter.load_state_dict(blob["drafter"], strict=False)
-    opt.load_state_dict(blob["optimizer"])
-    gen = torch.Generator()
-    gen.set_state(blob["rng"])
-    return State(blob["step"], blob["losses"], blob["seconds"], blob["draft_ids"], gen)
-
-
-def warm_start(method: str, target: Transformer, drafter: nn.Module, path: Path
-               ) -> torch.Tensor:
-    """Copy the weights of the ``method`` drafter file ``path`` into ``drafter`` (continued
-    training on more data: the schedule restarts, the steps count afresh); returns its draft
-    vocabulary, which the head must keep."""
-    start, head, _ = weights.load_drafter(method, target, path)
-    drafter.load_state_dict(own_parameters(start, target), strict=False)
-    return head.ids.cpu()
 
 
 def peak_lr(warm_from: Path | None) -> float:
