@@ -269,9 +269,8 @@ def compute_dtype(target: Transformer) -> torch.dtype | None:
 
 
 def peak_lr(warm_from: Path | None) -> float:
-    """The schedule's peak: lower when training continues from a trained drafter, which a
-    fresh run's rate first pulls away from what it knows (measured on EAGLE-3: the loss rose
-    from 6.3 to 6.6 over the warm-up to 1e-3)."""
+    """The schedule's peak: lower when training continues from a trained drafter (as in
+    fine-tuning), so that its first steps do not pull it far from what it has learnt."""
     return WARM_LR if warm_from is not None else LR
 
 
