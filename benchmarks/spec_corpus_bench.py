@@ -56,16 +56,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     shards = corpus_shard_paths()
-    args.shard = args.shard or (shards[-1].name if shards else "shard-0039.npz")
-    path = corpus_data_dir() / args.shard
-    if not path.exists():
-        raise SystemExit(f"--shard {args.shard}: no {path} (make the corpus with `python -m "
+    path = corpus_data_dir() / args.shard if args.shard else (shards or [None])[-1]
+    if path is None or not path.exists():
+        raise SystemExit(f"--shard {args.shard}: no {path or corpus_data_dir()} (make the "
+                         f"corpus with `python -m "
                          f"minillm.spec_decode.training.distill`)")
     dtype, _ = serving_dtype(None, torch.device("cpu"))
     target, tok = load_model("smollm2-135m", dtype=dtype)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     half = args.prompts // 2
-    sets = {f"held-out corpus ({args.shard})": shard_prompts(path, args.prompts),
+    sets = {f"held-out corpus ({path.name})": shard_prompts(path, args.prompts),
             "benchmark (chat, free)": chat_prompts(tok, "chat", half)
             + chat_prompts(tok, "free", args.prompts - half)}
     info = machine_info(torch.device("cpu"), torch.get_num_threads())
