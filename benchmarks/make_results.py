@@ -282,6 +282,20 @@ def sec_cpu_forward(d: dict) -> list[str]:
     return out + [""]
 
 
+def sec_cpu_gemv(d: dict) -> list[str]:
+    out = ["### The bfloat16 matrix-vector kernel against oneDNN, by rows", ""]
+    out += [f"{d['method']}; [N, K] shapes {', '.join('x'.join(map(str, s)) for s in d['shapes'])}"
+            f". The CPU fast path takes the kernel up to "
+            f"`minillm.engine.cpu_forward.GEMV_ROWS` rows. Load average "
+            f"{loads(d.get('load_average'))}.", ""]
+    out += about(d, "cpu_gemv", "python benchmarks/cpu_gemv_bench.py")
+    out += [caption(d, "cpu_gemv"), ""]
+    out += table(["rows", f"kernel ms ({d['layers']} layers)", "oneDNN ms", "oneDNN / kernel"],
+                 [(r["rows"], num(r["gemv_ms"], 2), num(r["onednn_ms"], 2),
+                   times(r["onednn_over_gemv"])) for r in d["rows"]])
+    return out + [""]
+
+
 def sec_cpu_attention(d: dict) -> list[str]:
     out = ["### The CPU paged-attention kernel against the SDPA path", ""]
     out += [f"{d['layers']} layers' own caches, {d['heads'][0]} query and {d['heads'][1]} KV "
@@ -982,7 +996,8 @@ def sec_planted_bugs(d: dict) -> list[str]:
 CPU_SECTIONS: list[tuple[str, Callable[[dict], list[str]]]] = [
     ("decode", sec_decode), ("throughput", sec_throughput),
     ("throughput_vllm", sec_throughput_vllm), ("engine_v2_before_after", sec_engine_v2),
-    ("cpu_forward", sec_cpu_forward), ("cpu_attention", sec_cpu_attention),
+    ("cpu_forward", sec_cpu_forward), ("cpu_gemv", sec_cpu_gemv),
+    ("cpu_attention", sec_cpu_attention),
     ("runtime", sec_runtime), ("runtime_avx2", lambda d: sec_runtime(d, "runtime_avx2")),
     ("quant_matmul", sec_quant_matmul),
     ("quant_matmul_avx2", sec_quant_matmul),

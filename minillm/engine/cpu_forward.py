@@ -46,7 +46,7 @@ from ..config import ModelConfig
 from ..model.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
 from ..model.packed import PackedGroup, PackedLinear, can_pack_linears, packed_matmul
 from ..model.transformer import Block, LayerCall
-from .cpu_replay import Buffers, RecordedDecode
+from .cpu_replay import Buffers, RecordedDecode, StepShape
 
 
 def _kernels():
@@ -118,10 +118,15 @@ def _packed(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
     return (module.input_group or PackedGroup(module, *names)).packed_weight(linears)
 
 
-#: up to this many rows a bfloat16 matmul takes the C++ matrix-vector kernel, oneDNN's above
-#: (x1.8-2.1 over oneDNN at 1 row, x1.1-1.9 at 4, SmolLM2's layer shapes, weights out of cache,
-#: 2 threads of an AVX-512 BF16 EPYC: the git log of kernels/cpu_bf16_gemv.py)
-GEMV_ROWS = 4
+#: up to this many rows a bfloat16 matmul takes the C++ matrix-vector kernel, oneDNN's above:
+#: on SmolLM2's layer shapes, weights out of cache, 2 threads of an AVX-512 BF16 EPYC, it is
+#: x1.3-1.7 faster than oneDNN's packed matmul up to 16 rows and x1.1-1.3 up to 96
+#: (``python benchmarks/cpu_gemv_bench.py``, ``benchmarks/results/cpu_gemv.json``). So a
+#: decode step of up to 128 sequences, or a verify step of up to 128 rows, is all C++: replayed.
+GEMV_ROWS = 128
+#: rows of all the recordings kept at once (:meth:`CpuForward._recording`; each holds its
+#: step's activations, ~20 KB a row of SmolLM2 in bfloat16), the least recently used dropped
+MAX_RECORDED_ROWS = 1024
 
 
 class Bf16Matmul:
@@ -183,9 +188,9 @@ class CpuForward:
     the packed linears instead would cost their own checks, 20-35 us a call here: a tenth of
     a batch-1 step. ``model`` and ``cfg`` as :func:`supports` takes them: a
     :class:`Transformer` (:meth:`__call__` from token ids), or a drafter's stack of blocks
-    (:meth:`layers` from its own input rows). ``replay`` (default True): record a pure decode
-    step whose calls are all C++ once per batch size and replay it after; ``recorded``: the
-    recordings by batch size (:class:`~.cpu_replay.RecordedDecode`)."""
+    (:meth:`layers` from its own input rows). ``replay`` (default True): record a step whose
+    calls are all C++ once per :class:`~.cpu_replay.StepShape` and replay it after;
+    ``recorded``: the recordings by shape (:class:`~.cpu_replay.RecordedDecode`)."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig | None = None) -> None:
         self.model, self.cfg = model, cfg or model.cfg
@@ -193,7 +198,7 @@ class CpuForward:
         self.supported = False
         self.matmuls: list[tuple[Callable[..., torch.Tensor], ...]] = []
         self.replay = True
-        self.recorded: dict[int, RecordedDecode] = {}
+        self.recorded: dict[StepShape, RecordedDecode] = {}
 
     def _unchanged(self) -> bool:
         """Every module's children and weight versions as when :meth:`applies` last looked
@@ -237,32 +242,38 @@ class CpuForward:
         paged kernel (tree masks as ``meta.row_bits``), the others (wider tree masks, after
         cached context) to SDPA in padded groups."""
         x = self.model.embed(input_ids)
-        if not keep and before_layer is None and after_layer is None:
-            recorded = self._recording(batch)
+        if before_layer is None and after_layer is None:
+            recorded = self._recording(batch, tuple(sorted(keep)))
             if recorded is not None:
-                return recorded.run(x, positions, batch.meta, self.layers, self._rope), {}
+                return recorded.run(x, positions, batch.meta, self.layers, self._rope)
         return self.layers(x, positions, batch, keep, before_layer, after_layer)
 
-    def _recording(self, batch: PagedBatch) -> RecordedDecode | None:
+    def _recording(self, batch: PagedBatch, keep: tuple[int, ...]) -> RecordedDecode | None:
         """The recorded step (:mod:`.cpu_replay`) that serves ``batch``, new or kept, if
-        ``replay`` is on and it can: a pure decode step (one new token a sequence, each to
-        the paged kernel unmasked) of n sequences whose every matmul is one C++ call at n rows
+        ``replay`` is on and it can: every sequence continues a cached one (decodes and
+        verifications: shapes that recur, where a new prompt's rarely does) and goes to the
+        paged kernel (tree masks as bits), and every matmul is one C++ call at the step's rows
         (``one_call``, e.g. :meth:`minillm.quant.linear.QuantGroup.one_call`)."""
-        meta, n = batch.meta, len(batch.meta.q_lens)
-        if not self.replay or meta.row_bits is not None or meta.groups or meta.singles \
-                or meta.direct is None or meta.direct.numel() != n or sum(meta.q_lens) != n:
+        meta, s = batch.meta, len(batch.meta.q_lens)
+        if not self.replay or meta.groups or meta.singles or meta.direct is None \
+                or meta.direct.numel() != s or not all(meta.ctx_lens):
             return None
-        recorded = self.recorded.get(n)
+        shape = StepShape(s, sum(meta.q_lens), meta.row_bits is not None, keep)
+        recorded = self.recorded.pop(shape, None)
         if recorded is not None and recorded.serves(batch):
+            self.recorded[shape] = recorded           # now the most recently used
             return recorded
         dt = self.model.embed.weight.dtype
-        if not all(getattr(m, "one_call", None) and m.one_call(n, dt)
+        if not all(getattr(m, "one_call", None) and m.one_call(shape.rows, dt)
                    for mm in self.matmuls for m in mm):
             return None
-        recorded = RecordedDecode(batch, -(-self.cfg.max_seq_len // meta.block_size))
+        recorded = RecordedDecode(batch, -(-self.cfg.max_seq_len // meta.block_size), keep)
         if not recorded.serves(batch):
             return None
-        self.recorded[n] = recorded
+        while self.recorded and sum(r.rows for r in self.recorded) + shape.rows \
+                > MAX_RECORDED_ROWS:
+            del self.recorded[next(iter(self.recorded))]
+        self.recorded[shape] = recorded
         return recorded
 
     def _rope(self, positions: torch.Tensor, buffers: Buffers | None, dtype: torch.dtype
@@ -321,7 +332,18 @@ class CpuForward:
             if after_layer is not None:
                 after_layer(i)
             if i in keep:
-                x.add_(delta)
-                delta, kept[i] = None, x.clone()
+                from ..kernels.cpu_build import profiled_call
+
+                kept[i] = torch.empty_like(x) if buffers is None \
+                    else buffers.empty(f"kept{i}", tuple(x.shape), dt)
+                profiled_call(_add_into, "keep_hidden", x, delta, kept[i])
+                delta = None
         return norm(delta, model.norm, "final"), kept
+
+
+def _add_into(x: torch.Tensor, delta: torch.Tensor, out: torch.Tensor) -> None:
+    """x += delta; out = x (a layer's residual stream kept for a drafter: a call a recorded
+    step replays, as it does the C++ ones)."""
+    x.add_(delta)
+    out.copy_(x)
 

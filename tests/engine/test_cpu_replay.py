@@ -11,7 +11,7 @@ import minillm
 from minillm.attention.paged import build_metadata, get_paged_backend
 from minillm.cache.pool import PagedBatch, PagedKVPool
 from minillm.engine import EngineConfig, LLMEngine, cpu_forward
-from minillm.engine.cpu_replay import Buffers
+from minillm.engine.cpu_replay import Buffers, StepShape
 from minillm.quant import linear as qlinear
 from minillm.quant import quantize_model
 from minillm.sampling import SamplingParams
@@ -76,7 +76,7 @@ def test_replayed_steps_equal_the_eager_fast_path_exactly(kind, n_seqs, kv):
     model = tiny(kind)
     eager, pool_e, _ = decode_steps(model, False, n_seqs, kv)
     replayed, pool_r, forward = decode_steps(model, True, n_seqs, kv)
-    recorded = forward.recorded[n_seqs]
+    recorded = forward.recorded[StepShape.decode(n_seqs)]
     assert recorded.replays == len(replayed) - 2      # the prefill eager, one step recorded
     for a, b in zip(eager, replayed):
         assert torch.equal(a, b)
@@ -99,7 +99,7 @@ def test_engine_serves_the_same_tokens_and_logprobs_replayed():
         results.append([(done[i].outputs[0].token_ids, done[i].outputs[0].logprobs)
                         for i in ids])
     assert results[0] == results[1]
-    assert engine.runner.cpu_forward.recorded[3].replays > 0
+    assert engine.runner.cpu_forward.recorded[StepShape.decode(3)].replays > 0
 
 
 def test_a_recording_is_dropped_when_the_model_changes_and_refused_where_python_runs():
@@ -119,3 +119,70 @@ def test_buffers_of_a_recording_keep_their_shape():
     buffers.frozen = True
     with pytest.raises(RuntimeError, match="'x'"):
         buffers.put("x", torch.ones(3, 3))
+
+
+TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+
+
+def verify_steps(model, replay: bool, steps: int = 6):
+    """A prompt each for two sequences, then ``steps`` verify steps: sequence 0 a chain of
+    4 rows (1 + 3 drafts), sequence 1 a 4-node tree (``TREE``, as bits), the residual stream
+    of layer 0 kept for a drafter. Each step's final states and kept states, the pool, the
+    forward."""
+    cfg, g = model.cfg, torch.Generator().manual_seed(1)
+    pool = PagedKVPool(cfg, 8, 16, model.device, model.dtype)
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    forward = cpu_forward.CpuForward(model)
+    forward.replay = replay
+    lens, out = [6, 9], []
+    with torch.inference_mode():
+        for step in range(steps + 1):
+            q_lens, ctx = (lens, [0, 0]) if step == 0 else ([4, 4], lens)
+            masks = [None, None] if step == 0 else [None, TREE]
+            meta = build_metadata(tables, ctx, q_lens, 16, model.device, masks,
+                                  q_per_kv=cfg.n_heads // cfg.n_kv_heads, direct=True)
+            ids = torch.randint(0, cfg.vocab_size, (sum(q_lens),), generator=g)
+            tree_pos = [0, 1, 1, 2]
+            pos = torch.cat([torch.arange(ctx[0], ctx[0] + q_lens[0]),
+                             torch.arange(ctx[1], ctx[1] + q_lens[1]) if step == 0
+                             else torch.tensor([ctx[1] + p for p in tree_pos])])
+            assert forward.applies()
+            h, kept = forward(ids, pos, PagedBatch(pool, meta, get_paged_backend("cpu")),
+                              keep=(0,))
+            out.append((h.clone(), kept[0].clone()))
+            if step:
+                lens = [n + 2 for n in lens]      # two accepted a step
+    return out, pool, forward
+
+
+@pytest.mark.parametrize("kind", ["int4", pytest.param("bf16", marks=BF16.marks)])
+def test_replayed_verify_steps_with_trees_and_kept_states_equal_the_eager_path(kind):
+    """Verify steps (several rows a sequence, a tree mask as bits, a layer's states kept for
+    the drafter) are recorded by their shape and replayed: final and kept states and every
+    cached K/V the same to the bit as the fast path run eagerly."""
+    model = tiny(kind)
+    eager, pool_e, _ = verify_steps(model, False)
+    replayed, pool_r, forward = verify_steps(model, True)
+    recorded = forward.recorded[StepShape(2, 8, masked=True, keep=(0,))]
+    assert recorded.replays == len(replayed) - 2
+    assert len(forward.recorded) == 1                 # the prompts are not recorded
+    for (h_e, k_e), (h_r, k_r) in zip(eager, replayed):
+        assert torch.equal(h_e, h_r) and torch.equal(k_e, k_r)
+    assert torch.equal(pool_e.k, pool_r.k) and torch.equal(pool_e.v, pool_r.v)
+
+
+def test_recordings_beyond_the_row_budget_drop_the_least_recently_used(monkeypatch):
+    """Each recording keeps its step's activations: past ``MAX_RECORDED_ROWS`` rows in all
+    the least recently used goes first."""
+    model = tiny("int4")
+    _, pool, forward = decode_steps(model, True, 3, steps=2)
+    cfg = model.cfg
+    shape3 = StepShape.decode(3)
+    stale = {StepShape.decode(1): forward.recorded[shape3], StepShape.decode(2): None}
+    forward.recorded = {**stale, shape3: forward.recorded[shape3]}
+    monkeypatch.setattr(cpu_forward, "MAX_RECORDED_ROWS", 9)
+    meta = build_metadata([[0], [4], [8], [12]], [3, 3, 3, 3], [1] * 4, 16, model.device,
+                          q_per_kv=cfg.n_heads // cfg.n_kv_heads, direct=True)
+    batch = PagedBatch(pool, meta, get_paged_backend("cpu"))
+    assert forward._recording(batch, ()) is not None      # 1 + 2 + 3 + 4 rows > 9
+    assert list(forward.recorded) == [StepShape.decode(2), shape3, StepShape.decode(4)]
