@@ -10,8 +10,9 @@ decode. Its runner's ``fuse_ops`` switch picks ``Transformer.forward_layers`` (t
 some forty PyTorch operations a layer) or :class:`minillm.engine.cpu_forward.CpuForward`
 (the same maths with the small operations fused in C++ and the packed matmuls called
 directly); the fast path's ``replay`` switch records a decode step whose every call is C++
-once and replays it (:mod:`minillm.engine.cpu_replay`: quantized weights at the rows the
-integer kernels take; elsewhere the column is empty). The modes alternate, ten steps at a
+once and replays it (:mod:`minillm.engine.cpu_replay`: bfloat16 weights at the rows the
+matrix-vector kernel takes, quantized ones at the rows the integer kernels take; elsewhere
+the column is empty). The modes alternate, ten steps at a
 time, for ``rounds`` rounds on the same sequences; the medians of the step times and their
 ratios are reported, with the CPU model and flags and the load average.
 """
@@ -29,6 +30,7 @@ from minillm import SamplingParams
 from minillm.bench.common import write_json
 from minillm.device import cpu_features
 from minillm.engine import EngineConfig, LLMEngine
+from minillm.engine.cpu_replay import StepShape
 from minillm.quant import quantize_model
 from minillm.runinfo import machine_info
 
@@ -59,7 +61,7 @@ def measure(engine: LLMEngine, weights: str, batch: int, rounds: int, seed: int)
     for _ in range(rounds):
         for mode in MODES:
             times[mode].append(step_ms(engine, mode))
-    recorded = engine.runner.cpu_forward.recorded.get(batch)
+    recorded = engine.runner.cpu_forward.recorded.get(StepShape.decode(batch))
     while engine.has_unfinished():
         engine.step()
     ms = {m: statistics.median(t) for m, t in times.items()}
