@@ -243,10 +243,18 @@ class CpuForward:
         cached context) to SDPA in padded groups."""
         x = self.model.embed(input_ids)
         if before_layer is None and after_layer is None:
-            recorded = self._recording(batch, tuple(sorted(keep)))
-            if recorded is not None:
-                return recorded.run(x, positions, batch.meta, self.layers, self._rope)
+            return self.from_rows(x, positions, batch, keep)
         return self.layers(x, positions, batch, keep, before_layer, after_layer)
+
+    def from_rows(self, x: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
+                  keep: Collection[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`layers` (x [N, D] the first layer's input rows, e.g. a drafter's), replayed
+        from the recording of the batch's :class:`~.cpu_replay.StepShape` where one serves it
+        (:meth:`_recording`), else run (and recorded, where it can be)."""
+        recorded = self._recording(batch, tuple(sorted(keep)))
+        if recorded is not None:
+            return recorded.run(x, positions, batch.meta, self.layers, self._rope)
+        return self.layers(x, positions, batch, keep)
 
     def _recording(self, batch: PagedBatch, keep: tuple[int, ...]) -> RecordedDecode | None:
         """The recorded step (:mod:`.cpu_replay`) that serves ``batch``, new or kept, if
@@ -263,7 +271,7 @@ class CpuForward:
         if recorded is not None and recorded.serves(batch):
             self.recorded[shape] = recorded           # now the most recently used
             return recorded
-        dt = self.model.embed.weight.dtype
+        dt = self.model.norm.weight.dtype           # the activations' (a drafter has no embed)
         if not all(getattr(m, "one_call", None) and m.one_call(shape.rows, dt)
                    for mm in self.matmuls for m in mm):
             return None

@@ -221,11 +221,13 @@ class FeatureProposer:
     def _forward(self, x, cache, positions):
         """x [1, R, 2D] (token embeddings, features) -> [1, R, D]: the drafter's block, through
         the engine's CPU fast path where it runs (:class:`~minillm.engine.cpu_forward.CpuForward`:
-        the same block's small ops fused, about half the time of the eager modules here)."""
+        the same block's small ops fused, about half the time of the eager modules here; a
+        tree level's or a chain step's shape recurs every round, so it is recorded once and
+        replayed, :mod:`minillm.engine.cpu_replay`)."""
         d = x.shape[-1] // 2
         if self.fused.runs(cache):
             h = self.drafter.inputs(x[0, :, :d], x[0, :, d:])
-            return self.fused.layers(h, positions, cache)[0][None]
+            return self.fused.from_rows(h, positions, cache)[0][None]
         return self.drafter(x[..., :d], x[..., d:], positions, cache)
 
     def _rows(self, tokens: list[int], features: torch.Tensor) -> torch.Tensor:
