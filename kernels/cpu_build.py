@@ -167,13 +167,14 @@ class Library:
         return self._loaded[1]
 
 
-Call = tuple[Callable[..., None], str, tuple]     # a C++ function, its name, its arguments
+Call = tuple[Callable[..., None], str, tuple]     # a function, its name, its arguments
 _recording: list[Call] | None = None
 
 
 def profiled_call(fn, name: str, *args) -> None:
-    """``fn(*args)`` (a C++ function), shown as a row ``minillm::<name>`` of torch.profiler's
-    table while the profiler records (the annotation costs ~30 us a call, so only then), and
+    """``fn(*args)`` (a C++ function, or a Python one a recorded step must replay too, such as
+    ``cpu_forward._add_into``), shown as a row ``minillm::<name>`` of torch.profiler's table
+    while the profiler records (the annotation costs ~30 us a call, so only then), and
     appended to the list of :func:`recording_calls` while one is open."""
     if _recording is not None:
         _recording.append((fn, name, args))

@@ -173,16 +173,21 @@ def test_replayed_verify_steps_with_trees_and_kept_states_equal_the_eager_path(k
 
 def test_recordings_beyond_the_row_budget_drop_the_least_recently_used(monkeypatch):
     """Each recording keeps its step's activations: past ``MAX_RECORDED_ROWS`` rows in all
-    the least recently used goes first."""
+    the least recently used goes first (a recording used again moves to the back)."""
     model = tiny("int4")
     _, pool, forward = decode_steps(model, True, 3, steps=2)
     cfg = model.cfg
     shape3 = StepShape.decode(3)
-    stale = {StepShape.decode(1): forward.recorded[shape3], StepShape.decode(2): None}
-    forward.recorded = {**stale, shape3: forward.recorded[shape3]}
+    recorded = forward.recorded[shape3]            # serves this pool: stands in for the others
+    forward.recorded = {StepShape.decode(1): recorded, StepShape.decode(2): recorded,
+                        shape3: recorded}
     monkeypatch.setattr(cpu_forward, "MAX_RECORDED_ROWS", 9)
-    meta = build_metadata([[0], [4], [8], [12]], [3, 3, 3, 3], [1] * 4, 16, model.device,
-                          q_per_kv=cfg.n_heads // cfg.n_kv_heads, direct=True)
-    batch = PagedBatch(pool, meta, get_paged_backend("cpu"))
-    assert forward._recording(batch, ()) is not None      # 1 + 2 + 3 + 4 rows > 9
-    assert list(forward.recorded) == [StepShape.decode(2), shape3, StepShape.decode(4)]
+
+    def batch(n: int) -> PagedBatch:
+        meta = build_metadata([[4 * s] for s in range(n)], [3] * n, [1] * n, 16, model.device,
+                              q_per_kv=cfg.n_heads // cfg.n_kv_heads, direct=True)
+        return PagedBatch(pool, meta, get_paged_backend("cpu"))
+
+    assert forward._recording(batch(1), ()) is recorded       # used again: now the newest
+    assert forward._recording(batch(4), ()) is not None       # 2 + 3 + 1 + 4 rows > 9
+    assert list(forward.recorded) == [shape3, StepShape.decode(1), StepShape.decode(4)]
