@@ -120,7 +120,7 @@ def _packed(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
 
 #: up to this many rows a bfloat16 matmul takes the C++ matrix-vector kernel, oneDNN's above:
 #: on SmolLM2's layer shapes, weights out of cache, 2 threads of an AVX-512 BF16 EPYC, it is
-#: x1.3-1.7 faster than oneDNN's packed matmul up to 16 rows and x1.1-1.3 up to 96
+#: x1.3-1.7 faster than oneDNN's packed matmul up to 8 rows and x1.15-1.25 from 12 to 128
 #: (``python benchmarks/cpu_gemv_bench.py``, ``benchmarks/results/cpu_gemv.json``). So a
 #: decode step of up to 128 sequences, or a verify step of up to 128 rows, is all C++: replayed.
 GEMV_ROWS = 128
