@@ -1,5 +1,5 @@
 """The bfloat16 matrix-vector kernel against oneDNN's packed matmul, by rows: where the CPU fast
-path should switch from one to the other (``minillm.engine.cpu_forward.GEMV_ROWS``).
+path should switch from one to the other (``minillm.model.packed.GEMV_ROWS``).
 
     python benchmarks/cpu_gemv_bench.py [--rows 1 2 4 6 8 12 16] [--reps 15] [--out FILE.json]
 

@@ -286,7 +286,7 @@ def sec_cpu_gemv(d: dict) -> list[str]:
     out = ["### The bfloat16 matrix-vector kernel against oneDNN, by rows", ""]
     out += [f"{d['method']}; [N, K] shapes {', '.join('x'.join(map(str, s)) for s in d['shapes'])}"
             f". The CPU fast path takes the kernel up to "
-            f"`minillm.engine.cpu_forward.GEMV_ROWS` rows. Load average "
+            f"`minillm.model.packed.GEMV_ROWS` rows. Load average "
             f"{loads(d.get('load_average'))}.", ""]
     out += about(d, "cpu_gemv", "python benchmarks/cpu_gemv_bench.py")
     out += [caption(d, "cpu_gemv"), ""]

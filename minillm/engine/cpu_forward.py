@@ -6,9 +6,9 @@ small ones (norms, RoPE, residual adds, the cache write, SiLU) and the Python ar
 cost more than their arithmetic. :class:`CpuForward` computes the same layers over the same
 weights with each group of small ops one C++ call (:mod:`minillm.kernels.cpu_fused_ops`),
 attention the paged kernel (:mod:`minillm.kernels.cpu_paged_attention`) and the matmuls
-oneDNN's on the weights already packed (bfloat16 at a few rows: a matrix-vector kernel of its
-own, :class:`Bf16Matmul`; quantized linears: the group their class names as ``fused_group``,
-e.g. :class:`minillm.quant.linear.QuantGroup`), per layer:
+oneDNN's on the weights already packed (bfloat16 at a few rows: a matrix-vector kernel of
+its own, :class:`~minillm.model.packed.CpuWeight`; quantized linears: the group their class
+names as ``fused_group``, e.g. :class:`minillm.quant.linear.QuantGroup`), per layer:
 
     h = RMSNorm(x += delta)                  add_rms_norm (delta: the previous sublayer's output)
     q, k, v = h @ [Wq Wk Wv]                 one packed matmul
@@ -35,6 +35,7 @@ recorded once per batch size and replayed after (:mod:`.cpu_replay`, ``replay``)
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Collection
 
 import torch
@@ -44,7 +45,7 @@ from ..attention.paged import attend_groups_and_singles
 from ..cache.pool import PagedBatch
 from ..config import ModelConfig
 from ..model.layers import Attention, RMSNorm, SwiGLU, rope_cos_sin
-from ..model.packed import PackedGroup, PackedLinear, can_pack_linears, packed_matmul
+from ..model.packed import CpuWeight, PackedGroup, PackedLinear, can_pack_linears
 from ..model.transformer import Block, LayerCall
 from .cpu_replay import Buffers, RecordedDecode, StepShape
 
@@ -108,76 +109,31 @@ def _linears(module: nn.Module, names: tuple[str, ...]) -> list[nn.Linear]:
     return [getattr(module, n) for n in names]
 
 
-def _packed(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
-    """The oneDNN weight of ``module``'s linears ``names`` (concatenated by output rows), the
-    one the model's packed linear or group already holds when it has one."""
+def _cpu_weight(module: nn.Module, names: tuple[str, ...]) -> CpuWeight:
+    """The CPU's matmuls over ``module``'s linears ``names`` (their weights concatenated by
+    output rows), the ones the model's packed linear or group already holds when it has one."""
     linears = _linears(module, names)
     if len(names) == 1:
         lin = linears[0]
-        return (lin if isinstance(lin, PackedLinear) else PackedLinear(lin)).packed_weight()
-    return (module.input_group or PackedGroup(module, *names)).packed_weight(linears)
+        return (lin if isinstance(lin, PackedLinear) else PackedLinear(lin)).cpu_weight()
+    return (module.input_group or PackedGroup(module, *names)).cpu_weight(linears)
 
 
-#: up to this many rows a bfloat16 matmul takes the C++ matrix-vector kernel, oneDNN's above:
-#: on SmolLM2's layer shapes, weights out of cache, 2 threads of an AVX-512 BF16 EPYC, it is
-#: x1.3-1.7 faster than oneDNN's packed matmul up to 8 rows and x1.15-1.25 from 12 to 128
-#: (``python benchmarks/cpu_gemv_bench.py``, ``benchmarks/results/cpu_gemv.json``). So a
-#: decode step of up to 128 sequences, or a verify step of up to 128 rows, is all C++: replayed.
-GEMV_ROWS = 128
+def _matmul_of(module: nn.Module, names: tuple[str, ...]) -> Callable[..., torch.Tensor]:
+    """x [N, K] (, out) -> [N, sum of out_features]: ``module``'s linears ``names`` as one
+    matmul (:class:`~minillm.model.packed.CpuWeight`: oneDNN's on their packed weight, at a
+    few bfloat16 rows the C++ matrix-vector kernel; the integer kernels' for quantized
+    linears)."""
+    group = _fused_group(_linears(module, names))
+    return group(_linears(module, names)) if group is not None else _cpu_weight(module, names)
+
+
 #: rows of all the recordings kept at once (:meth:`CpuForward._recording`; each holds its
 #: step's activations, ~20 KB a row of SmolLM2 in bfloat16), the least recently used dropped
 MAX_RECORDED_ROWS = 1024
 
 
-class Bf16Matmul:
-    """bfloat16 linears that read the same input as one matmul, x [N, K] -> [N, sum of
-    out_features]: up to :data:`GEMV_ROWS` rows the C++ kernel
-    (:mod:`minillm.kernels.cpu_bf16_gemv`, on its own copy of the weights laid out for it),
-    more rows oneDNN's packed matmul. ``weight``: the linears' weights stacked [N, K];
-    ``packed``: oneDNN's copy of it."""
-
-    def __init__(self, weight: torch.Tensor, packed: torch.Tensor) -> None:
-        from ..kernels.cpu_bf16_gemv import Bf16Weight
-
-        self.gemv, self.packed = Bf16Weight(weight), packed
-
-    def one_call(self, rows: int, dtype: torch.dtype) -> bool:
-        """Whether x [rows, K] of ``dtype`` is one C++ call (what a recorded step replays)."""
-        return rows <= GEMV_ROWS and dtype == torch.bfloat16
-
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] <= GEMV_ROWS and x.stride(-1) == 1:
-            return self.gemv(x, out)
-        y = packed_matmul(x, self.packed)
-        return y if out is None else out.copy_(y)
-
-
-def _gemv_fits(weight: torch.Tensor) -> bool:
-    """Whether the bf16 matrix-vector kernel runs fast here and takes ``weight``."""
-    from ..kernels import cpu_bf16_gemv
-
-    return weight.dtype == torch.bfloat16 and cpu_bf16_gemv.available() \
-        and cpu_bf16_gemv.fits(weight)
-
-
-def _matmul_of(module: nn.Module, names: tuple[str, ...]) -> Callable[..., torch.Tensor]:
-    """x [N, K] (, out) -> [N, sum of out_features]: ``module``'s linears ``names`` as one
-    matmul (oneDNN's on their packed weight; bfloat16 at a few rows the C++ kernel,
-    :class:`Bf16Matmul`; the integer kernels' for quantized linears)."""
-    linears = _linears(module, names)
-    group = _fused_group(linears)
-    if group is not None:
-        return group(linears)
-    packed = _packed(module, names)
-    if linears[0].weight.dtype == torch.bfloat16:
-        weight = torch.cat([lin.weight.detach() for lin in linears])
-        if _gemv_fits(weight):
-            return Bf16Matmul(weight, packed)
-
-    def matmul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        y = packed_matmul(x, packed)
-        return y if out is None else out.copy_(y)
-    return matmul
+_VERSION = operator.attrgetter("_version")
 
 
 class CpuForward:
@@ -203,9 +159,12 @@ class CpuForward:
     def _unchanged(self) -> bool:
         """Every module's children and weight versions as when :meth:`applies` last looked
         (~0.1 ms of identity checks)."""
-        return self._seen is not None \
-            and all(d.get(k) is c for d, k, c in self._seen[0]) \
-            and all(p._version == v for p, v in self._seen[1])
+        if self._seen is None:
+            return False
+        dicts, keys, children, params, versions = self._seen
+        # list == compares item by item in C, identity first (a module's == is identity)
+        return list(map(dict.get, dicts, keys)) == children \
+            and list(map(_VERSION, params)) == versions
 
     def applies(self) -> bool:
         """Whether :meth:`__call__` computes this model's forward now."""
@@ -216,8 +175,10 @@ class CpuForward:
         self.matmuls = [tuple(_matmul_of(getattr(b, part), names) for part, names in LINEARS)
                         for b in self.model.layers] if self.supported else []
         modules = list(self.model.modules())
-        self._seen = ([(m._modules, k, c) for m in modules for k, c in m._modules.items()],
-                      [(p, p._version) for p in self.model.parameters() if not p.is_inference()])
+        slots = [(m._modules, k, c) for m in modules for k, c in m._modules.items()]
+        params = [p for p in self.model.parameters() if not p.is_inference()]
+        self._seen = ([d for d, _, _ in slots], [k for _, k, _ in slots],
+                      [c for _, _, c in slots], params, list(map(_VERSION, params)))
         return self.supported
 
     def runs(self, batch: PagedBatch) -> bool:

@@ -5,7 +5,7 @@ of SmolLM2, and most of them are short: a norm over 576 numbers takes about a mi
 The Python that prepares each call (a fresh output tensor, the pointers and strides of its
 arguments, a view or two) costs several times that, a third of the step. Yet when every call
 of a step is C++ (each matmul's ``one_call``: bfloat16 weights at the rows the
-matrix-vector kernel takes, :class:`.cpu_forward.Bf16Matmul`; quantized ones at the rows the
+matrix-vector kernel takes, :class:`minillm.model.packed.CpuWeight`; quantized ones at the rows the
 integer kernels take, :meth:`minillm.quant.linear.QuantGroup.one_call`) and every sequence goes
 to the paged kernel, two steps of the same :class:`StepShape` (sequences, rows, tree masks or
 not, hidden states kept) make the same calls with the same sizes; only the values in a few

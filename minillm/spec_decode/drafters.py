@@ -40,7 +40,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..model.layers import RMSNorm, rope_cos_sin
-from ..model.packed import can_pack_linears, pack_weight, packed_matmul
+from ..model.packed import CpuWeight, can_pack_linears
 from ..model.transformer import Block, Transformer, _heads_axis
 
 METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "dflash")
@@ -102,21 +102,22 @@ class DraftHead(nn.Module):
         self.vocab_size = target_head.shape[0]
         self.register_buffer("ids", ids.long(), persistent=False)
         self.register_buffer("rows", target_head.detach()[ids.long()], persistent=False)
-        self._packed: tuple[int, torch.Tensor] | None = None
+        self._packed: tuple[int, CpuWeight] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., D] -> logits over the draft vocabulary [..., Vd] (oneDNN's matmul on the rows
-        packed once where it applies outside autograd: 3x faster at a draft step's few rows)."""
+        """x [..., D] -> logits over the draft vocabulary [..., Vd] (the CPU's matmuls on the
+        rows laid out once, :class:`~minillm.model.packed.CpuWeight`, where they apply outside
+        autograd: 3x faster than a plain matmul at a draft step's few rows)."""
         rows = self.rows
         if x.dtype != rows.dtype or (torch.is_grad_enabled() and x.requires_grad) \
                 or not can_pack_linears(rows.device, rows.dtype):
             return x @ rows.to(x.dtype).T
         if self._packed is None or self._packed[0] != rows.data_ptr():
-            self._packed = rows.data_ptr(), pack_weight(rows)
-        return packed_matmul(x, self._packed[1])
+            self._packed = rows.data_ptr(), CpuWeight(rows)
+        return self._packed[1](x)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_packed": None}   # opaque: a copy packs again
+        return {**self.__dict__, "_packed": None}   # a copy lays the rows out again
 
     def full(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., Vd] draft logits -> [..., V] full-vocabulary logits (-inf off the draft vocab)."""

@@ -143,3 +143,27 @@ def test_packed_bf16_model_keeps_its_logits():
         got, want = model(ids).float(), plain(ids).float()
     assert model.layers[0].attn.input_group._packed is not None      # the group packed in bf16
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+
+
+@BF16
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (2, 3, 96), (200, 96)])
+def test_cpu_weight_takes_the_matrix_vector_kernel_at_few_bf16_rows(shape):
+    """Up to GEMV_ROWS rows (where the kernel runs) the C++ kernel, above them oneDNN: both the
+    float64 product of the same bf16 numbers to bf16's rounding; a bias is added after."""
+    from minillm.kernels import cpu_bf16_gemv
+    from minillm.model.packed import GEMV_ROWS, CpuWeight
+
+    torch.manual_seed(2)
+    lin = nn.Linear(96, 64, bias=True).to(torch.bfloat16)
+    x = torch.randn(shape).bfloat16()
+    want = F.linear(x.double(), lin.weight.double(), lin.bias.double())
+    with torch.inference_mode():
+        packed = PackedLinear(lin)
+        got = packed(x)
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=2e-2)
+    weight = packed.cpu_weight()
+    rows = x.numel() // 96
+    kernel = cpu_bf16_gemv.available()
+    assert weight.one_call(rows, torch.bfloat16) == (kernel and rows <= GEMV_ROWS)
+    assert (weight._onednn is None) == (kernel and rows <= GEMV_ROWS)   # oneDNN's copy unused
+    assert not weight.one_call(rows, torch.float32)
