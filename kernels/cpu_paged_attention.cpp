@@ -1,5 +1,8 @@
 
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -96,16 +99,25 @@ static inline void accumulate(float* __restrict acc, float alpha, const float* _
 // A work item: ``count`` new tokens of sequence ``s``, flat rows [q0, q0 + count) of q, whose
 // first sees the ``ctx`` keys before it (and each later one a key more). A sequence's new
 // tokens are cut into items of at most CHUNK, so that one long prompt still keeps every thread
-// busy (each item walks the blocks its last token sees; they are in L2 by then).
+// busy (each item walks the blocks its last token sees; they are in L2 by then), and, when
+// there are fewer sequences than threads, into as many items as a sequence's share of the
+// threads: a verify step's few rows at batch 1 then run on every core.
 constexpr int64_t CHUNK = 32;
 struct Item { int64_t s, q0, count, ctx; };
 static std::vector<Item> work_items(const int32_t* cu_q, const int32_t* seq_lens,
                                     const int32_t* seqs, int64_t n_seqs) {
+#ifdef _OPENMP
+    const int64_t threads = omp_get_max_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    const int64_t share = n_seqs > 0 && n_seqs < threads ? threads / n_seqs : 1;
     std::vector<Item> items;
     for (int64_t i = 0; i < n_seqs; ++i) {
         const int64_t s = seqs[i], nq = cu_q[s + 1] - cu_q[s], cached = seq_lens[s] - nq;
-        for (int64_t t = 0; t < nq; t += CHUNK)
-            items.push_back({s, cu_q[s] + t, nq - t < CHUNK ? nq - t : CHUNK, cached + t});
+        const int64_t even = (nq + share - 1) / share, chunk = even < CHUNK ? even : CHUNK;
+        for (int64_t t = 0; t < nq; t += chunk)
+            items.push_back({s, cu_q[s] + t, nq - t < chunk ? nq - t : chunk, cached + t});
     }
     return items;
 }
@@ -337,9 +349,10 @@ static void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* v
         // Many rows per KV head (a prompt chunk): the block's keys are also laid out as
         // kt[kv head][16-key group][pair c][key], so that 16 lanes of vdpbf16ps with q's pair c
         // broadcast are 16 keys' partial dot products: no reduction per row. Decodes (a few
-        // rows) do not repay the transpose.
+        // rows) do not repay the transpose. Decided by the sequence's new rows, not the
+        // item's, so that the result does not depend on how many threads cut it.
         const int64_t groups = (bs + 15) / 16;
-        const bool transposed = nq * g >= 16;
+        const bool transposed = (cu_q[s + 1] - cu_q[s]) * g >= 16;
         std::vector<uint32_t> kt(transposed ? hkv * groups * (D / 2) * 16 : 0);
         for (int64_t p0 = 0; p0 < len; p0 += bs) {
             const int64_t n = len - p0 < bs ? len - p0 : bs;

@@ -162,3 +162,22 @@ def test_without_a_compiler_the_engine_falls_back_to_sdpa(no_compiler):
     with pytest.raises(RuntimeError, match="unavailable"):
         kernel.cpu_paged_attention(*make_case())
     assert default_paged_backend(torch.device("cpu"), torch.float16) == "sdpa"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("new", [(7,), (2,), (40,), (5, 3)])
+def test_fewer_sequences_than_threads_split_their_rows_alike(new, dtype, tol):
+    """A verify step's rows at batch 1 are cut between the threads: still the float64
+    reference, and bit for bit what one thread computes."""
+    case = make_case(ctx=(37, 100)[:len(new)], new=new, dtype=dtype, seed=len(new))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.cpu_paged_attention(*case)
+        torch.set_num_threads(2)
+        two = kernel.cpu_paged_attention(*case)
+    finally:
+        torch.set_num_threads(threads)
+    err = (two.double() - reference(*case)).abs().max().item()
+    assert err < tol * (1 if dtype == torch.float32 else 4), err
+    assert torch.equal(one, two)

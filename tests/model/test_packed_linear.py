@@ -151,7 +151,8 @@ def test_cpu_weight_takes_the_matrix_vector_kernel_at_few_bf16_rows(shape):
     """Up to GEMV_ROWS rows (where the kernel runs) the C++ kernel, above them oneDNN: both the
     float64 product of the same bf16 numbers to bf16's rounding; a bias is added after."""
     from minillm.kernels import cpu_bf16_gemv
-    from minillm.model.packed import GEMV_ROWS, CpuWeight
+
+    from minillm.model.packed import GEMV_ROWS
 
     torch.manual_seed(2)
     lin = nn.Linear(96, 64, bias=True).to(torch.bfloat16)
