@@ -120,8 +120,8 @@ def test_only_the_chosen_sequences_rows_are_written():
             assert (out[rows] == 7.0).all()
 
 
-def test_one_thread_and_two_give_the_same_result():
-    case = make_case(seed=3)
+def on_one_thread_and_two(case: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's outputs for ``case`` on one thread and on two."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -130,6 +130,11 @@ def test_one_thread_and_two_give_the_same_result():
         two = kernel.cpu_paged_attention(*case)
     finally:
         torch.set_num_threads(threads)
+    return one, two
+
+
+def test_one_thread_and_two_give_the_same_result():
+    one, two = on_one_thread_and_two(make_case(seed=3))
     assert torch.equal(one, two)
 
 
@@ -170,14 +175,7 @@ def test_fewer_sequences_than_threads_split_their_rows_alike(new, dtype, tol):
     """A verify step's rows at batch 1 are cut between the threads: still the float64
     reference, and bit for bit what one thread computes."""
     case = make_case(ctx=(37, 100)[:len(new)], new=new, dtype=dtype, seed=len(new))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = kernel.cpu_paged_attention(*case)
-        torch.set_num_threads(2)
-        two = kernel.cpu_paged_attention(*case)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_thread_and_two(case)
     err = (two.double() - reference(*case)).abs().max().item()
     assert err < tol * (1 if dtype == torch.float32 else 4), err
     assert torch.equal(one, two)
