@@ -6,7 +6,9 @@ in the chat template: ``chat`` questions, ``grounded`` tasks (summarise, rewrite
 a given passage, code edits) and ``free`` writing. Per method:
 
 - at batch 1 (one request after another) per kind: output tokens/s, the speedup over the plain
-  engine, acceptance by draft position, mean tokens per verification round;
+  engine, acceptance by draft position, mean tokens per verification round (each speedup is
+  over a plain run of the same prompts made just before the method's, the k sweep's over
+  those of all kinds: the machine's speed drifts over the benchmark's minutes);
 - the speedup against the lookahead k (batch 1, all kinds);
 - the speedup at batch 4, 16, 64 (all requests at once);
 - the drafter's cost per round at batch 1 next to the plain engine's time per token;
@@ -65,7 +67,8 @@ class Run:
     propose_seconds: float
     rounds: int
     nodes_per_round: float = 0.0
-    paired_speedups: list[float] = field(default_factory=list)   # see :func:`measure_paired`
+    paired_speedups: list[float] = field(default_factory=list)   # over plain runs made beside
+    #                                 it (:func:`measure_paired`; one for the fixed-k runs)
 
     @property
     def rate(self) -> float:
@@ -222,15 +225,26 @@ def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4
                     + " ".join(f"{x:.2f}" for x in run.paired_speedups))
             else:
                 go(m, "auto", "mixed", (mixed * waves * b)[:waves * b] if b > 1 else mixed, b)
+
+    def paired(method, k, kind, prompts, batch, ref: Run | None = None) -> Run:
+        """The plain run that ``method``'s run (its speedup set over it) is compared with:
+        ``ref``, by default one of the same prompts made just before it. The machine's speed
+        drifts over the benchmark's minutes, and a baseline measured once at the start would
+        carry that drift into every ratio."""
+        ref = ref or measure(target, tok, None, 0, kind, prompts, batch, params)
+        run = go(method, k, kind, prompts, batch)
+        run.paired_speedups = [run.rate / ref.rate]
+        return ref
+
     for m in methods if not auto else ():
-        for kind in KINDS:
-            go(m, DEFAULT_K[m], kind, by_kind[kind], 1)
+        sweep_ref = all_kinds([paired(m, DEFAULT_K[m], kind, by_kind[kind], 1)
+                               for kind in KINDS])
         for k in sorted(set(ks) | {DEFAULT_K[m]}):      # the default k too, for the plots
             if k <= MAX_TOKENS[m] and not (m == "medusa" and k > 5):
-                go(m, k, "mixed", mixed, 1)
+                paired(m, k, "mixed", mixed, 1, sweep_ref)
         for b in batches:
             if b > 1:
-                go(m, DEFAULT_K[m], "mixed", (mixed * b)[:b], b)
+                paired(m, DEFAULT_K[m], "mixed", (mixed * b)[:b], b)
     report = report_of(runs, base, machine_info(dev, torch.get_num_threads()),
                        {"model": model, "dtype": dtype_name(dtype), "dtype_reason": reason,
                         "max_tokens": max_tokens, "prompts_per_kind": prompts_per_kind,
@@ -246,11 +260,16 @@ def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4
     return report
 
 
+def all_kinds(plain: list[Run]) -> Run:
+    """Plain batch-1 runs of each kind as one run over all kinds (the k sweep's prompts)."""
+    return Run("none", 0, "mixed", 1, sum(r.seconds for r in plain),
+               sum(r.tokens for r in plain), [], 1.0, 0.0, 0)
+
+
 def report_of(runs: list[Run], base: dict[str, Run], machine: dict, config: dict) -> dict:
     """Speedups against the plain engine of the same kind (batch 1) or batch."""
     plain = {(r.kind, r.batch): r for r in runs if r.method == "none"}
-    plain[("mixed", 1)] = Run("none", 0, "mixed", 1, sum(r.seconds for r in base.values()),
-                              sum(r.tokens for r in base.values()), [], 1.0, 0.0, 0)
+    plain[("mixed", 1)] = all_kinds(list(base.values()))
     rows = []
     for r in runs:
         ref = plain[(r.kind, r.batch)]
