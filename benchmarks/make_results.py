@@ -576,7 +576,8 @@ def sec_spec_auto(d: dict) -> list[str]:
             "step at batch 1, 4, 16 and 64 when built, keeps the lookahead k of the best "
             "predicted speedup at batch 1 (the k column), and under load drafts only as deep "
             "as pays for the sequences in each step (0: not at all). Speedup is over the "
-            "plain engine at the same batch size; "
+            "plain engine at the same batch size, each speculative run right after a plain "
+            "run of the same prompts (at batch 1 per kind of prompt, and all kinds); "
             + (f"at batch sizes above 1, the median of {cfg['repeats']} pairs of runs "
                "alternating plain and speculative, the pairs' range in brackets."
                if cfg.get("repeats", 1) > 1 else
@@ -585,20 +586,23 @@ def sec_spec_auto(d: dict) -> list[str]:
     repeats = f" --repeats {cfg['repeats']}" if cfg.get("repeats", 1) > 1 else ""
     out += about(d, "spec_auto", f"python -m minillm bench spec --auto --batches 1 16 64{repeats} "
                  "--out benchmarks/results/spec_auto.json")
-    batches = sorted({r["batch"] for r in runs})
     auto = [r for r in runs if r["method"].endswith(" auto")]
     methods = list(dict.fromkeys(r["method"] for r in auto))
+    kinds = [k for k in ("chat", "grounded", "free")
+             if any(r["kind"] == k and r["batch"] == 1 for r in auto)]
+    cells = [(k, 1) for k in kinds] + [("mixed", b) for b in sorted({r["batch"] for r in runs})]
     body = []
     for m in methods:
-        by_batch = {r["batch"]: r for r in auto if r["method"] == m}
-        one = by_batch.get(1)
+        by = {(r["kind"], r["batch"]): r for r in auto if r["method"] == m}
+        one = by.get(("mixed", 1))
         body.append([m.removesuffix(" auto"), one["k"] if one else "-"] +
-                    [speedup_cell(by_batch[b]) if b in by_batch else "-" for b in batches] +
-                    [num(by_batch[b]["mean_accepted"], 2) if b in by_batch else "-"
-                     for b in batches])
+                    [speedup_cell(by[c]) if c in by else "-" for c in cells] +
+                    [num(by[c]["mean_accepted"], 2) if c in by else "-" for c in cells])
+    names = [f"{kind}, batch 1" if kind != "mixed" else
+             (f"all kinds, batch {b}" if b == 1 else f"batch {b}") for kind, b in cells]
     out += [caption(d, "spec_auto"), ""]
-    out += table(["method", "k (batch 1)"] + [f"speedup, batch {b}" for b in batches] +
-                 [f"tokens/round, batch {b}" for b in batches], body)
+    out += table(["method", "k (batch 1)"] + [f"speedup, {n}" for n in names] +
+                 [f"tokens/round, {n}" for n in names], body)
     return out + ["", "tokens/round 0: no draft was verified (drafting was off at that batch "
                   "size).", ""]
 

@@ -144,20 +144,31 @@ def measure(model, tok, method: str | None, k: int, kind: str, prompts: list[lis
                s.nodes / s.rounds if s and s.rounds else 0.0)
 
 
-def measure_paired(model, tok, method: str, prompts: list[list[int]], batch: int,
+def measure_paired(model, tok, method: str, prompts: dict[str, list[list[int]]], batch: int,
                    params: SamplingParams, repeats: int, *,
-                   calibration_prompts: list[list[int]] | None = None) -> Run:
-    """``repeats`` rounds of the same ``prompts`` ``batch`` at a time, alternating between the
-    plain engine and one speculating with ``method`` at num_speculative_tokens="auto" (each
-    built and warmed up once): the speculative run, totalled over the rounds, with
-    ``paired_speedups`` [repeats], each round's tokens/s over the plain round just before it.
-    A slow moment of the machine then slows both halves of one pair, not one side of the
-    comparison. ``calibration_prompts``: as in :func:`make_engine`."""
+                   calibration_prompts: list[list[int]] | None = None) -> list[Run]:
+    """For each kind's ``prompts`` (kind -> token ids), ``repeats`` rounds of them ``batch``
+    at a time, alternating between the plain engine and one speculating with ``method`` at
+    num_speculative_tokens="auto" (each built, calibrated and warmed up once for all kinds):
+    per kind the speculative run, totalled over the rounds, with ``paired_speedups``
+    [repeats], each round's tokens/s over the plain round just before it. A slow moment of
+    the machine then slows both halves of one pair, not one side of the comparison.
+    ``calibration_prompts``: as in :func:`make_engine`."""
     plain = make_engine(model, tok, None, 0, batch)
     spec = make_engine(model, tok, method, "auto", batch,
                        calibration_prompts=calibration_prompts)
+    first = next(iter(prompts.values()))[0]
     for engine in (plain, spec):
-        warm_up(engine, prompts[0])
+        warm_up(engine, first)
+    return [paired_rounds(plain, spec, method, kind, batch_prompts, batch, params, repeats)
+            for kind, batch_prompts in prompts.items()]
+
+
+def paired_rounds(plain: LLMEngine, spec: LLMEngine, method: str, kind: str,
+                  prompts: list[list[int]], batch: int, params: SamplingParams,
+                  repeats: int) -> Run:
+    """:func:`measure_paired`'s rounds of one kind's ``prompts`` on its two engines."""
+    spec.speculator.stats = SpecStats()
     seconds = tokens = 0.0
     ratios = []
     for _ in range(repeats):
@@ -166,7 +177,7 @@ def measure_paired(model, tok, method: str, prompts: list[list[int]], batch: int
         ratios.append((s_t / s_s) / (p_t / p_s))
         seconds, tokens = seconds + s_s, tokens + s_t
     s = spec.speculator.stats
-    return Run(f"{method} auto", spec.speculator.config.num_speculative_tokens, "mixed", batch,
+    return Run(f"{method} auto", spec.speculator.config.num_speculative_tokens, kind, batch,
                seconds, int(tokens), s.acceptance_by_position, s.mean_accepted,
                s.propose_seconds, s.rounds, s.nodes / s.rounds if s.rounds else 0.0, ratios)
 
@@ -187,10 +198,11 @@ def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4
     also speculation under load (:func:`.spec_load.run_load_sweeps`), True with its defaults
     or a dict of its keyword arguments (budgets, rates, num_requests, max_tokens, seed).
     ``auto``: instead of the fixed lookaheads, each method with num_speculative_tokens="auto"
-    (chosen by measuring when its engine is built; see :mod:`minillm.spec_decode.autotune`)
-    on all kinds at every batch size, three rounds of b requests at batch b > 1; with
-    ``repeats`` > 1, batches b > 1 alternate plain and speculative runs (:func:`measure_paired`)
-    and the speedup is the median of the pairs."""
+    (chosen by measuring when its engine is built; see :mod:`minillm.spec_decode.autotune`):
+    at batch 1 each kind and all kinds together, each right after a plain run of the same
+    prompts (:func:`measure_paired`); at batch b > 1 all kinds, three rounds of b requests,
+    with ``repeats`` > 1 alternating plain and speculative runs, the speedup the median of
+    the pairs."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     if threads:
@@ -217,14 +229,16 @@ def run_spec_bench(model: str = "smollm2-135m", methods=ALL_METHODS, ks=(1, 2, 4
             go(None, 0, "mixed", (mixed * waves * b)[:waves * b], b)
     for m in methods if auto else ():
         for b in batches:
-            if b > 1 and repeats > 1:
-                run = measure_paired(target, tok, m, (mixed * waves * b)[:waves * b], b, params,
-                                     repeats)
-                runs.append(run)
-                log(f"{run.method:>11} k={run.k} batch {b:>2}: paired speedups "
-                    + " ".join(f"{x:.2f}" for x in run.paired_speedups))
+            if b == 1 or repeats > 1:         # batch 1: each kind, and all of them together
+                kinds = {**by_kind, "mixed": mixed} if b == 1 else \
+                    {"mixed": (mixed * waves * b)[:waves * b]}
+                for run in measure_paired(target, tok, m, kinds, b, params,
+                                          1 if b == 1 else repeats):
+                    runs.append(run)
+                    log(f"{run.method:>11} k={run.k} {run.kind:>8} batch {b:>2}: paired "
+                        "speedups " + " ".join(f"{x:.2f}" for x in run.paired_speedups))
             else:
-                go(m, "auto", "mixed", (mixed * waves * b)[:waves * b] if b > 1 else mixed, b)
+                go(m, "auto", "mixed", (mixed * waves * b)[:waves * b], b)
 
     def paired(method, k, kind, prompts, batch, ref: Run | None = None) -> Run:
         """The plain run that ``method``'s run (its speedup set over it) is compared with:

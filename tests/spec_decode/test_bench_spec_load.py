@@ -152,10 +152,12 @@ def test_paired_runs_alternate_plain_and_speculative_and_report_their_median(mod
     """--repeats: one speedup per pair of runs, the report's speedup is their median, and the
     paired engines serve every request and free every block."""
     prompts = prompts_of([6, 10, 8, 7], seed=3)
-    run = measure_paired(model, None, "ngram", prompts, 2, PARAMS, 3,
-                         calibration_prompts=prompts_of([12, 9, 11, 10], seed=4))
+    run, other = measure_paired(model, None, "ngram", {"mixed": prompts, "chat": prompts[:2]},
+                                2, PARAMS, 3,
+                                calibration_prompts=prompts_of([12, 9, 11, 10], seed=4))
     assert len(run.paired_speedups) == 3 and all(x > 0 for x in run.paired_speedups)
     assert run.method == "ngram auto" and run.batch == 2 and run.tokens == 3 * 4 * 8
+    assert other.kind == "chat" and other.tokens == 3 * 2 * 8      # its own rounds
     base = measure(model, None, None, 0, "mixed", prompts, 1, PARAMS)
     plain2 = measure(model, None, None, 0, "mixed", prompts, 2, PARAMS)
     row = next(r for r in report_of([base, plain2, run], {"mixed": base}, {},
