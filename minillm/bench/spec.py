@@ -106,10 +106,21 @@ def make_engine(model, tok, method: str | None, k: int, max_seqs: int, *,
 
 
 def warm_up(engine: LLMEngine, prompt: list[int]) -> None:
-    """One short request (first-call costs out of the way), then fresh speculation counters."""
+    """One short request (first-call costs out of the way), then fresh speculation counters
+    (count the measured requests only), suffix decoding's outputs forgotten
+    (:func:`forget_outputs`)."""
     run_in_batches(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=8), 1)
     if engine.speculator is not None:
-        engine.speculator.stats = SpecStats()     # count the measured requests only
+        engine.speculator.stats = SpecStats()
+        forget_outputs(engine)
+
+
+def forget_outputs(engine: LLMEngine) -> None:
+    """Make suffix decoding forget the outputs it has seen (a measured prompt must not find
+    its own output from the warm-up or an earlier round); other methods keep none."""
+    clear = getattr(engine.speculator.proposer, "clear_history", None)
+    if clear is not None:
+        clear()
 
 
 def run_in_batches(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
@@ -167,12 +178,14 @@ def measure_paired(model, tok, method: str, prompts: dict[str, list[list[int]]],
 def paired_rounds(plain: LLMEngine, spec: LLMEngine, method: str, kind: str,
                   prompts: list[list[int]], batch: int, params: SamplingParams,
                   repeats: int) -> Run:
-    """:func:`measure_paired`'s rounds of one kind's ``prompts`` on its two engines."""
+    """:func:`measure_paired`'s rounds of one kind's ``prompts`` on its two engines (suffix
+    decoding forgets the earlier rounds' outputs before each)."""
     spec.speculator.stats = SpecStats()
     seconds = tokens = 0.0
     ratios = []
     for _ in range(repeats):
         p_s, p_t = run_in_batches(plain, prompts, params, batch)
+        forget_outputs(spec)
         s_s, s_t = run_in_batches(spec, prompts, params, batch)
         ratios.append((s_t / s_s) / (p_t / p_s))
         seconds, tokens = seconds + s_s, tokens + s_t

@@ -173,6 +173,13 @@ class SuffixProposer:
 
     def fork(self, parent_id: int, child_id: int) -> None: ...
 
+    def clear_history(self) -> None:
+        """Forget the outputs of finished sequences (the global trie), as a new engine has
+        none: a benchmark that runs the same prompts again would otherwise draft their
+        earlier outputs."""
+        self.history = SuffixTrie(self.max_depth)
+        self._history_keys.clear()
+
     def release(self, seq_id: int) -> None:
         """A finished (or aborted) sequence's output joins the global trie; the oldest
         outputs leave while it holds more than ``max_cached_tokens``."""

@@ -97,6 +97,18 @@ def test_finished_outputs_draft_for_later_requests_within_the_memory_cap():
     assert proposer.draft(99, [4, 5] + answer[:6], 2, room=6) is None
 
 
+def test_clear_history_forgets_finished_outputs_but_not_live_sequences():
+    proposer = SuffixProposer(k=4, max_depth=16)
+    answer = list(range(100, 130))
+    proposer.draft(1, [1, 2] + answer, 2, room=4)
+    proposer.release(1)
+    proposer.draft(2, [7, 8] + answer + [7, 8], 2, room=4)     # live: its own trie
+    proposer.clear_history()
+    assert proposer.history.num_tokens == 0
+    assert proposer.draft(3, [4, 5] + answer[:6], 2, room=4) is None
+    assert proposer.draft(2, [7, 8] + answer + [7, 8], 2, room=4).tokens == answer[:2]
+
+
 @pytest.fixture(scope="module")
 def model():
     return sharp_model(torch.float32, max_seq_len=256)
