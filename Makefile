@@ -111,10 +111,14 @@ drafters: setup
 # library's docs and code and from its own questions (about 2.5 hours on 2 CPU cores at 128
 # sequences at once, resumable; its shards of token ids are kept in the repository, in
 # minillm/spec_decode/training/corpus_shards/), then training with training-time test
-# (resumable; --device cuda on a GPU).
+# (resumable; --device cuda on a GPU); then MTP, Medusa and the block drafter continue from
+# their first runs (`make drafters`) on the corpus (--warm; about 1 hour each on one core).
 drafters-corpus: setup
 	$(BIN)/python -m minillm.spec_decode.training.distill
 	$(BIN)/python -m minillm.spec_decode.training.eagle3
+	$(BIN)/python -m minillm.spec_decode.training.train mtp --corpus --warm --steps 600
+	$(BIN)/python -m minillm.spec_decode.training.train medusa --corpus --warm --steps 200
+	$(BIN)/python -m minillm.spec_decode.training.train dflash --corpus --warm --steps 500
 
 lint: setup
 	$(BIN)/ruff check minillm kernels tests benchmarks

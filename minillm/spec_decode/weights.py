@@ -112,6 +112,16 @@ def read_manifest(method: str, path: str | Path | None = None) -> dict:
     return json.loads(js.read_text())
 
 
+def training_run(manifest: dict) -> str:
+    """How a drafter was trained, from its manifest: its steps and data, and those of the run it
+    continued (``--warm``), e.g. "600 steps on 20,000 replies (3,932,967 tokens), after 480
+    steps on 1,600 replies (247,421 tokens)"."""
+    data = manifest["data"]
+    text = f"{manifest['steps']} steps on {data['sequences']:,} replies ({data['tokens']:,} tokens)"
+    before = manifest.get("warm_start")
+    return text + (f", after {training_run(before)}" if before else "")
+
+
 def load_drafter(method: str, target: Transformer, path: str | Path | None = None
                  ) -> tuple[torch.nn.Module, DraftHead, dict]:
     """(drafter on the target's device and dtype, its head, the manifest)."""

@@ -128,3 +128,42 @@ def test_run_block_on_token_ids_with_live_features(target, raw, small, tmp_path,
     _, _, man = weights.load_drafter("dflash", target, pt)
     assert man["steps"] == 2 and man["heldout"]["dflash"]["tau"] >= 1
     assert not list(tmp_path.rglob("block-*.pt"))
+
+
+def test_held_out_evaluation_with_live_features_takes_several_batches(target, raw, small):
+    """The corpus path's evaluation over more held-out sequences than one batch holds (a local
+    once shadowed the live features after the first batch)."""
+    drafter, head, lookup = setup(target, raw)
+    seqs = TB.split(raw)[1]
+    assert len(seqs) >= 2
+    live = TB.LiveFeatures(target, CONFIG["target_layers"], next_tokens=True)
+    scores = BT.evaluate_block(drafter.eval(), head, target, raw, seqs, lookup, batch=1,
+                               width=24, live=live)
+    assert scores["dflash"]["tau"] >= 1 and scores["dspark"]["tau"] >= 1
+    assert 0 <= scores["calibration"]["ece"] <= 1
+
+
+def test_a_warm_block_run_starts_from_the_file(target, raw, small, tmp_path, monkeypatch):
+    """--warm for the block drafter: the backbone starts from the file's weights and keeps its
+    draft vocabulary, and the manifest names the run it continues."""
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(T, "checkpoint_path", lambda m: tmp_path / f"{m}.ckpt")
+    monkeypatch.setattr(BT, "checkpoint_path", lambda m: tmp_path / f"{m}.ckpt")
+    kw = dict(dspark_steps=2, progress=False, draft_vocab=64, batch=4, width=24)
+    first = BT.run_block(target, raw, steps=3, out=tmp_path / "a" / "dflash.pt", **kw)
+    seen = {}
+    real = T.train_loop
+
+    def spy(method, drafter, *args, **kwargs):
+        seen.update({k: v.clone() for k, v in T.own_parameters(drafter, target).items()})
+        return real(method, drafter, *args, **kwargs)
+
+    monkeypatch.setattr(T, "train_loop", spy)
+    second = BT.run_block(target, raw, steps=2, fresh=True, out=tmp_path / "b" / "dflash.pt",
+                          warm_from=first, **kw)
+    start, head, _ = weights.load_drafter("dflash", target, first)
+    for name, p in T.own_parameters(start, target).items():
+        assert torch.equal(seen[name], p), name
+    _, head2, man = weights.load_drafter("dflash", target, second)
+    assert man["steps"] == 2 and man["warm_start"]["steps"] == 3
+    assert torch.equal(head2.ids, head.ids)

@@ -114,6 +114,21 @@ def test_run_writes_a_loadable_drafter(target, data, tmp_path, monkeypatch):
     assert len(head.ids) == 64
 
 
+def test_a_warm_run_keeps_its_own_checkpoint_and_names_the_first(target, data, tmp_path,
+                                                                 monkeypatch):
+    """A first run's checkpoint (at its last step) must not be resumed by a warm run of the
+    same method, which starts from the first run's weights file instead."""
+    monkeypatch.setattr(T, "DRAFT_VOCAB", 64)
+    monkeypatch.setattr(T, "checkpoint_path", lambda m: tmp_path / f"{m}.ckpt")
+    first = T.run("mtp", target, data, steps=4, out=tmp_path / "a" / "mtp.pt")
+    second = T.run("mtp", target, data, steps=2, out=tmp_path / "b" / "mtp.pt", warm_from=first)
+    assert torch.load(tmp_path / "mtp-warm.ckpt")["step"] == 2
+    man = weights.read_manifest("mtp", second)
+    assert man["steps"] == 2 and man["warm_start"]["steps"] == 4
+    assert weights.training_run(man) == "2 steps on 12 replies ({:,} tokens), after 4 steps on " \
+        "12 replies ({:,} tokens)".format(len(data["tokens"]), len(data["tokens"]))
+
+
 def test_ahead_past_the_end():
     x = torch.arange(6).view(2, 3)
     assert torch.equal(T.ahead(x, 1, -1), torch.tensor([[1, 2, -1], [4, 5, -1]]))

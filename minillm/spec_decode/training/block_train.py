@@ -258,9 +258,9 @@ def evaluate_block(drafter, head: DraftHead, target, data: dict, seqs: torch.Ten
             drafted, conf = markov_decode(drafter, out, base, first, vd)
             hits = drafted == greedy
             stats["dspark"].append(prefix_hits(hits, valid))
-            live = valid & prefix_alive(hits)
-            stats["conf"].append(conf[live].float().cpu())
-            stats["hit"].append(hits[live].float().cpu())
+            reached = valid & prefix_alive(hits)
+            stats["conf"].append(conf[reached].float().cpu())
+            stats["hit"].append(hits[reached].float().cpu())
     out = {"dflash": acceptance(stats["dflash"])}
     if stats["dspark"]:
         out["dspark"] = acceptance(stats["dspark"])
@@ -364,15 +364,19 @@ def train_dspark_heads(trained: Trained, target, data: dict, steps: int, ckpt: P
 
 def run_block(target, data: dict, steps: int | None = None, fresh: bool = False,
               out: Path | None = None, dspark_steps: int = DSPARK_STEPS,
-              progress: bool = True, served=None, **train_kw) -> Path:
+              progress: bool = True, served=None, warm_from: Path | None = None,
+              **train_kw) -> Path:
     """Both stages, the held-out measurements, the weights file (``dflash``: the backbone and
     DSpark's heads, shared by dflash, ddtree and dspark) and its manifest. ``served``: the
     target in its serving dtype computing each batch's features as it is drawn (data of token
-    ids only, the corpus); else they are computed once for the whole set and cached."""
+    ids only, the corpus); else they are computed once for the whole set and cached.
+    ``warm_from``: a drafter file the backbone starts from (continued training, the manifest's
+    ``warm_start`` names that run; DSpark's heads are trained again on the new backbone)."""
     import copy
 
     from .. import weights
-    from .train import CONFIGS, DEFAULT_STEPS, run_facts, train
+    from .train import CONFIGS, DEFAULT_STEPS, run_facts, train, warm_origin
+    before = warm_origin("dflash", warm_from) if warm_from else None
     layers = CONFIGS["dflash"]["target_layers"]
     live = LiveFeatures(served, layers, next_tokens=True) if served is not None else None
     if live is None:
@@ -383,7 +387,8 @@ def run_block(target, data: dict, steps: int | None = None, fresh: bool = False,
         bdata = data
     sample = live.sampler() if live else sample_batch
     trained = train("dflash", target, bdata, steps or DEFAULT_STEPS["dflash"], fresh=fresh,
-                    loss_fn=dflash_loss, progress=progress, sample=sample, **train_kw)
+                    loss_fn=dflash_loss, progress=progress, sample=sample, warm_from=warm_from,
+                    **train_kw)
     train_dspark_heads(trained, target, bdata, dspark_steps, checkpoint_path("dspark"),
                        progress=progress, sample=sample)
     scores = evaluate_block(trained.drafter, trained.head, target, bdata, split(bdata)[1],
@@ -392,6 +397,7 @@ def run_block(target, data: dict, steps: int | None = None, fresh: bool = False,
     manifest = run_facts("minillm/spec_decode/training/block_train.py", data, st, target.device)
     manifest |= {"dspark_steps": dspark_steps,
                  "heldout_accuracy": scores["dflash"]["acceptance"], "heldout": scores}
+    manifest |= {"warm_start": before} if before else {}
     path = weights.save_drafter(trained.drafter, target, trained.cfg, st.draft_ids, manifest,
                                 path=out)
     print(f"dflash: held-out tau {scores['dflash']['tau']} (dspark "

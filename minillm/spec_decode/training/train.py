@@ -297,8 +297,10 @@ def train(method: str, target: Transformer, data: dict, steps: int, *, fresh: bo
           sample=None, warm_from: Path | None = None) -> Trained:
     """Train (or resume training) ``method``'s drafter for ``steps`` steps in all
     (``loss_fn``: instead of LOSSES[method]; ``sample``: instead of :func:`sample_batch`;
-    ``warm_from``: a drafter file a new run starts from, see :func:`warm_start`)."""
-    ckpt, draft_vocab = ckpt or checkpoint_path(method), draft_vocab or DRAFT_VOCAB
+    ``warm_from``: a drafter file a new run starts from, see :func:`warm_start`; such a run
+    keeps its checkpoint apart from a first run's, ``<method>-warm.ckpt``)."""
+    ckpt = ckpt or checkpoint_path(f"{method}-warm" if warm_from else method)
+    draft_vocab = draft_vocab or DRAFT_VOCAB
     cfg = drafter_config(method, target, draft_vocab)
     torch.manual_seed(seed)
     drafter = build_drafter(cfg, target).to(target.device, target.dtype).train()
@@ -415,13 +417,13 @@ def main(argv: list[str] | None = None) -> None:
     data = distill.load_corpus() if args.corpus else load_data()
     served = serving_copy(target) if args.corpus else None
     for method in [*LOSSES, "dflash"] if args.method == "all" else [args.method]:
+        warm = weights.weight_files(method)[0] if args.warm else None
         if method == "dflash":
             from .block_train import run_block
-            run_block(target, data, args.steps, args.fresh, served=served)
+            run_block(target, data, args.steps, args.fresh, served=served, warm_from=warm)
         else:
             run(method, target, data, args.steps, args.fresh,
-                live=LiveFeatures(served) if served is not None else None,
-                warm_from=weights.weight_files(method)[0] if args.warm else None)
+                live=LiveFeatures(served) if served is not None else None, warm_from=warm)
 
 
 if __name__ == "__main__":
