@@ -9,11 +9,14 @@ activation row's matching pair, broadcast to every lane, and adds both products 
 lane's float32 sum. After K / 2 such steps the sixteen lanes are sixteen finished outputs: no
 sum crosses lanes, every register is full whatever K is. Two groups of sixteen weight rows are
 done side by side, so each broadcast pair of the activations serves two weight vectors, and a
-tile of up to eight activation rows reuses each loaded weight vector (the broadcasts, not the
+tile of up to twelve activation rows reuses each loaded weight vector (the broadcasts, not the
 multiplies, are what limit it otherwise); independent chains of sums (at least eight in flight)
-hide the instruction's latency. Pairs of groups (32 output columns) are shared by OpenMP
-threads. On SmolLM2's shapes it beats oneDNN's packed matmul at every row count up to 128
-on a 2-core AVX-512 BF16 EPYC, most (x1.3-1.7) at the few rows of a decode or verify step
+hide the instruction's latency. While a tile computes, it asks for the next pair of groups'
+weights to come into L2 (a software prefetch a loaded vector), so the memory never waits for
+the arithmetic: up to twelve rows cost about what one does. A step of 13 to 24 rows is two
+equal tiles. Pairs of groups (32 output columns) are shared by OpenMP threads. On SmolLM2's
+shapes it beats oneDNN's packed matmul at every row count up to 128 on a 2-core AVX-512 BF16
+EPYC, most at the few rows of a decode or verify step
 (``python benchmarks/cpu_gemv_bench.py``, ``benchmarks/results/cpu_gemv.json``).
 
 Only CPUs with AVX-512 BF16 run it (:func:`available`: where the engine computes in bfloat16

@@ -24,7 +24,8 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor,
 
 #: up to this many rows a bfloat16 matmul takes the C++ matrix-vector kernel, oneDNN's above:
 #: on SmolLM2's layer shapes, weights out of cache, 2 threads of an AVX-512 BF16 EPYC, it is
-#: x1.3-1.7 faster than oneDNN's packed matmul up to 8 rows and x1.15-1.25 from 12 to 128
+#: faster than oneDNN's packed matmul at every row count from 1 to 128, most at the few rows of
+#: a decode or verify step, which cost about one row's time up to 12 rows
 #: (``python benchmarks/cpu_gemv_bench.py``, ``benchmarks/results/cpu_gemv.json``); on the
 #: output head (49152 x 576) x1.5 at one row, level from 16 rows on. So the engine's decode step
 #: of up to 128 sequences, or verify step of up to 128 rows, is all C++ (and can be replayed).

@@ -24,11 +24,13 @@ def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-# rows cover every tile size (1-8 rows: four chains up to 4, two above) and tiles after a
-# full one; K one pass of the chains, SmolLM2's, and a long one
+# rows cover every tile size (1-12 rows: four chains at 1-2 rows, two at 3-4, one above),
+# steps cut into equal tiles (17 rows: 9 + 8; 25: 9 + 8 + 8) and odd last groups (n 48, 16);
+# K one pass of the chains, SmolLM2's, and a long one
 @pytest.mark.parametrize("m,n,k", [(1, 16, 8), (2, 48, 576), (3, 32, 1536), (4, 64, 96),
                                    (5, 16, 200), (6, 32, 576), (7, 16, 8), (8, 48, 1536),
-                                   (9, 960, 576), (23, 64, 576)])
+                                   (9, 960, 576), (10, 48, 96), (11, 16, 576), (12, 32, 1536),
+                                   (17, 64, 576), (23, 64, 576), (25, 48, 200)])
 def test_kernel_equals_float64_up_to_its_bfloat16_output(variant, m, n, k):
     w, x = randn(n, k, seed=1).bfloat16(), (randn(m, k, seed=2) * 3).bfloat16()
     y = gemv.Bf16Weight(w)(x)
