@@ -216,11 +216,13 @@ static inline __m256 load8(const uint16_t* p) {
 #endif
 
 // out[r][l] = row l of the group . activation row r (qx, d, ds natural order, k values each):
-// sum_b d_b * (sc_lb * (codes_lb . q_b) + mn_lb * sum(q_b)) with ds_b = d_b * sum(q_b)
+// sum_b d_b * (sc_lb * (codes_lb . q_b) + mn_lb * sum(q_b)) with ds_b = d_b * sum(q_b).
+// next (or null): the group done after this one; each block's codes ask for the same block of
+// next to come into L2, so memory streams the next group while this one computes.
 template <int R, typename S>
 static inline void int4_group(const uint8_t* w, const S* sc, const S* mn,
                               const int8_t* qx, const float* d, const float* ds, int64_t k,
-                              float (*out)[ROWS]) {
+                              float (*out)[ROWS], const uint8_t* next) {
     const int64_t nb = k / QK;
 #if defined(WIDE)
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -230,6 +232,8 @@ static inline void int4_group(const uint8_t* w, const S* sc, const S* mn,
         const uint8_t* wb = w + b * ROWS * QK / 2;
         __m512i lo[4], hi[4];
         for (int u = 0; u < 4; ++u) {
+            if (next)
+                _mm_prefetch((const char*)(next + b * ROWS * QK / 2 + 64 * u), _MM_HINT_T1);
             const __m512i v = _mm512_loadu_si512(wb + 64 * u);
             lo[u] = _mm512_and_si512(v, low);
             hi[u] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -257,6 +261,8 @@ static inline void int4_group(const uint8_t* w, const S* sc, const S* mn,
             const uint8_t* wb = w + b * ROWS * QK / 2 + 32 * half;
             __m256i lo[4], hi[4];
             for (int u = 0; u < 4; ++u) {
+                if (next && half == 0)
+                    _mm_prefetch((const char*)(next + b * ROWS * QK / 2 + 64 * u), _MM_HINT_T1);
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + 64 * u));
                 lo[u] = _mm256_and_si256(v, low);
                 hi[u] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -324,12 +330,13 @@ static void quant_matmul(const T* x, int64_t ldx, const void* w, const S* scale,
             if (INT4) {
                 const uint8_t* wj = (const uint8_t*)w + j * nb * ROWS * QK / 2;
                 const S *sj = scale + j * nb * ROWS, *mj = mn + j * nb * ROWS;
+                const uint8_t* next = j + 1 < units ? wj + nb * ROWS * QK / 2 : nullptr;
                 float out[TILE][ROWS];
                 switch (rows) {
-                    case 4: int4_group<4>(wj, sj, mj, q, d, ds, k, out); break;
-                    case 3: int4_group<3>(wj, sj, mj, q, d, ds, k, out); break;
-                    case 2: int4_group<2>(wj, sj, mj, q, d, ds, k, out); break;
-                    default: int4_group<1>(wj, sj, mj, q, d, ds, k, out);
+                    case 4: int4_group<4>(wj, sj, mj, q, d, ds, k, out, next); break;
+                    case 3: int4_group<3>(wj, sj, mj, q, d, ds, k, out, next); break;
+                    case 2: int4_group<2>(wj, sj, mj, q, d, ds, k, out, next); break;
+                    default: int4_group<1>(wj, sj, mj, q, d, ds, k, out, next);
                 }
                 for (int64_t r = 0; r < rows; ++r)
                     for (int l = 0; l < ROWS; ++l) narrow(out[r][l], y + (r0 + r) * ldy + j * ROWS + l);
