@@ -29,9 +29,9 @@ lanes are the outputs: every register full whatever K is (K = 576 has 18 blocks,
 int8 layout splits 16 + 2). Rows of the output (weight rows, or groups of 16) are shared by
 OpenMP threads; a tile of up to four activation rows uses each unpacked weight vector four
 times, and while an int4 group computes it prefetches the next group's codes into L2 (the
-memory then streams without waiting for the arithmetic). With AVX2 only, 256-bit registers do half a chunk (eight rows) at a time, and without
-AVX-VNNI ``vpmaddubsw`` + ``vpmaddwd`` compute the same dot products; on other CPUs plain
-loops do.
+memory then streams without waiting for the arithmetic). With AVX2 only, 256-bit registers
+do half a chunk (eight rows) at a time, and without AVX-VNNI ``vpmaddubsw`` + ``vpmaddwd``
+compute the same dot products; on other CPUs plain loops do.
 The C++ is ``cpu_quant_matmul.cpp`` beside this file, compiled by :mod:`.cpu_build` after its
 shared ``SCALARS``; :func:`quantize_activations` and :func:`reference_matmul` are the
 plain-torch statement of what the C++ computes
