@@ -127,6 +127,21 @@ def test_the_headline_table_has_at_most_eight_rows():
     assert 2 <= len(rows) <= 2 + 8          # header, rule, at most eight results
 
 
+def test_the_serving_row_counts_slo_requests_unless_neither_server_meets_any():
+    """At a rate that saturates both servers no request meets the SLOs: the row then compares
+    throughput and says so, instead of "0.00 vs 0.00"."""
+    results = gen.load_results(ROOT / "benchmarks" / "results")
+    runs = results["serve_rate16"]["servers"]
+
+    def serving_row():
+        return next(r for r in gen.headline_rows(results) if r[-1] == "serve_rate16")
+    for server in ("minillm", "vllm"):
+        runs[server]["runs"][-1]["slo_met_per_s"] = 0.0
+    assert "saturates both" in serving_row()[0] and "SLOs per s" not in serving_row()[0]
+    runs["minillm"]["runs"][-1]["slo_met_per_s"] = 1.5
+    assert "SLOs per s" in serving_row()[0] and serving_row()[1].startswith("1.50")
+
+
 # ----------------------------------------------------------------------------- each check fails
 
 @pytest.fixture
