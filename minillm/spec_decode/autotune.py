@@ -26,7 +26,7 @@ chosen the same way: their drafts list the nodes best first, so the best b nodes
 <= k of a calibration draft are the tree of b nodes, and the accepted path such a tree would
 have kept is the leading part of the measured path within them. The calibration predicts
 tokens and rows for every (k, b) and picks the best pair: on a CPU, where verifying 17 rows
-can cost nearly twice a decode step, a small tree often beats the 16-node tree a GPU prefers.
+costs clearly more than a decode step, a small tree often beats the 16-node tree a GPU prefers.
 When no k is predicted to beat plain decoding by ``MARGIN`` (the spread of the calibration's
 own timings), the speculator keeps that k but does not draft
 (``DraftAndVerify.drafting`` is False): the engine decodes plainly.
