@@ -95,6 +95,7 @@ static void tile(int64_t rows, const uint32_t* w, int64_t gstride, const uint16_
 // TILE rows, of equal size (17 rows: 9 and 8), and every tile prefetches the next pair.
 extern "C" void bf16_gemv(const uint16_t* x, int64_t ldx, const uint32_t* w, uint16_t* y,
                           int64_t ldy, int64_t m, int64_t n, int64_t k) {
+    if (m <= 0) return;
     const int64_t gstride = (k / 2) * ROWS, ngroups = n / ROWS;
     const int64_t tiles = (m + TILE - 1) / TILE, per_tile = (m + tiles - 1) / tiles;
     #pragma omp parallel for schedule(static) if (m * n * k >= PARALLEL_MACS)

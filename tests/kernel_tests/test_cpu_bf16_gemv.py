@@ -50,6 +50,12 @@ def test_a_wrong_layout_is_caught():
     assert (good(x).double() - want).abs().max() < 0.05 < (bad(x).double() - want).abs().max()
 
 
+def test_no_rows_give_an_empty_output(variant):
+    """Zero activation rows: nothing to do (the tiles' arithmetic must not divide by zero)."""
+    y = gemv.Bf16Weight(randn(32, 64, seed=7).bfloat16())(torch.empty(0, 64, dtype=torch.bfloat16))
+    assert y.shape == (0, 32)
+
+
 def test_out_is_written_in_place():
     w, x = randn(16, 64, seed=5).bfloat16(), randn(2, 64, seed=6).bfloat16()
     out = torch.empty(2, 16, dtype=torch.bfloat16)
